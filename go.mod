@@ -1,0 +1,3 @@
+module github.com/nbdmapper/nbdmapper
+
+go 1.26.0
