@@ -1,0 +1,136 @@
+package backing
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+func sparseFile(t *testing.T, size int64) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "disk.img")
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, size); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// devices returns one of each real kind of Device, for tests that every
+// implementation must pass.
+func devices(t *testing.T) map[string]Device {
+	f, err := OpenFile(sparseFile(t, 1<<20), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return map[string]Device{"file": f, "mem": NewMem("mem", 1<<20)}
+}
+
+func TestDeviceReadWriteZeroHoles(t *testing.T) {
+	for name, d := range devices(t) {
+		t.Run(name, func(t *testing.T) {
+			if d.Size() != 1<<20 {
+				t.Fatalf("size %d", d.Size())
+			}
+			holes, err := d.Holes(0, d.Size())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := []Range{{0, 1 << 20}}; !equalRanges(holes, want) {
+				t.Fatalf("fresh device holes %v, want %v", holes, want)
+			}
+			data := bytes.Repeat([]byte{0xab}, 64<<10)
+			if _, err := d.WriteAt(data, 128<<10); err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, len(data))
+			if _, err := d.ReadAt(got, 128<<10); err != nil || !bytes.Equal(got, data) {
+				t.Fatalf("read back differs (err %v)", err)
+			}
+			holes, _ = d.Holes(0, d.Size())
+			if want := []Range{{0, 128 << 10}, {192 << 10, (1 << 20) - (192 << 10)}}; !equalRanges(holes, want) {
+				t.Fatalf("holes after write %v, want %v", holes, want)
+			}
+			// Zero without punching keeps blocks allocated; discard frees them.
+			if err := d.Zero(128<<10, 16<<10, false); err != nil {
+				t.Fatal(err)
+			}
+			if err := d.Discard(160<<10, 32<<10); err != nil {
+				t.Fatal(err)
+			}
+			d.ReadAt(got, 128<<10)
+			want := append(make([]byte, 16<<10), data[16<<10:32<<10]...)
+			want = append(want, make([]byte, 32<<10)...)
+			if !bytes.Equal(got, want) {
+				t.Fatal("zeroed or discarded data does not read back as zeros")
+			}
+			holes, _ = d.Holes(0, d.Size())
+			if want := []Range{{0, 128 << 10}, {160 << 10, (1 << 20) - (160 << 10)}}; !equalRanges(holes, want) {
+				t.Fatalf("holes after discard %v, want %v", holes, want)
+			}
+			if err := d.Sync(); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+func TestPoolOpensEachDeviceOnce(t *testing.T) {
+	path := sparseFile(t, 1<<20)
+	link := filepath.Join(t.TempDir(), "link.img")
+	if err := os.Symlink(path, link); err != nil {
+		t.Fatal(err)
+	}
+	other := sparseFile(t, 1<<20)
+	wraps := 0
+	p := &Pool{Wrap: func(d Device) Device { wraps++; return d }}
+	defer p.Close()
+	a, err := p.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := p.Open(link)
+	c, _ := p.Open(filepath.Join(filepath.Dir(path), ".", "disk.img"))
+	d, _ := p.Open(other)
+	if a != b || a != c {
+		t.Fatal("two paths to one file opened as different devices")
+	}
+	if a == d {
+		t.Fatal("different files opened as one device")
+	}
+	if n := len(p.Devices()); n != 2 || wraps != 2 {
+		t.Fatalf("pool has %d devices, wrapped %d times; want 2 and 2", n, wraps)
+	}
+	if _, err := p.Open(filepath.Join(t.TempDir(), "missing")); !os.IsNotExist(err) {
+		t.Fatalf("missing file: err %v, want not-exist", err)
+	}
+}
+
+func TestResolveMajorMinor(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		isNumber bool
+	}{
+		{"7:0", true}, {"/dev/sda", false}, {"a:b", false}, {"7:", false}, {"disk.img", false},
+	} {
+		if _, ok := resolve(tc.name); ok != tc.isNumber {
+			t.Errorf("resolve(%q) major:minor = %v, want %v", tc.name, ok, tc.isNumber)
+		}
+	}
+}
+
+func equalRanges(a, b []Range) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
