@@ -1,0 +1,203 @@
+// Command nbdmapper serves device-mapper tables as NBD exports.
+//
+//	nbdmapper serve [flags] [NAME=TABLE_FILE ...]   serve tables (a demo without any)
+//	nbdmapper check TABLE_FILE                      validate and print a normalised table
+//
+// main parses flags, sets up signals and wires the packages together; the
+// work happens in table, nbdtarget, flush, discard and backing.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+const usage = `usage:
+  nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [NAME=TABLE_FILE ...]
+  nbdmapper check TABLE_FILE
+
+With no arguments at all, nbdmapper serves a built-in demo.
+`
+
+// commands maps subcommand names to their entry points.
+var commands = map[string]func(args []string) error{
+	"serve": runServe,
+	"check": runCheck,
+}
+
+func main() {
+	args := os.Args[1:]
+	if len(args) == 0 {
+		args = []string{"serve"}
+	}
+	run, ok := commands[args[0]]
+	if !ok {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	if err := run(args[1:]); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(2)
+		}
+		fmt.Fprintln(os.Stderr, "nbdmapper:", err)
+		os.Exit(1)
+	}
+}
+
+func runCheck(args []string) error {
+	if len(args) != 1 {
+		return fmt.Errorf("check needs exactly one TABLE_FILE\n%s", usage)
+	}
+	pool := &backing.Pool{ReadOnly: true}
+	defer pool.Close()
+	t, err := loadTable(args[0], pool)
+	if err != nil {
+		return err
+	}
+	fmt.Print(t.String())
+	return nil
+}
+
+func loadTable(path string, open table.Opener) (*table.Table, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return table.Parse(path, f, open)
+}
+
+type serveFlags struct {
+	socket, listen string
+	readOnly       bool
+	flushBaseline  string
+}
+
+func runServe(args []string) error {
+	var sf serveFlags
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.StringVar(&sf.socket, "socket", "", "listen on this unix socket")
+	fs.StringVar(&sf.listen, "listen", "", "listen on HOST:PORT (default 127.0.0.1:10809 when no --socket)")
+	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")
+	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+
+	specs := fs.Args()
+	demo := len(specs) == 0
+	if demo {
+		spec, err := makeDemo("demo")
+		if err != nil {
+			return fmt.Errorf("demo: %w", err)
+		}
+		specs = []string{spec}
+	}
+
+	flusher := flush.New()
+	discarder := discard.New()
+	pool := &backing.Pool{ReadOnly: sf.readOnly, Wrap: flusher.Track}
+	defer pool.Close()
+
+	var exports []*nbdtarget.Export
+	for _, spec := range specs {
+		name, file, ok := strings.Cut(spec, "=")
+		if !ok || name == "" || file == "" {
+			return fmt.Errorf("export %q: want NAME=TABLE_FILE", spec)
+		}
+		t, err := loadTable(file, pool)
+		if err != nil {
+			return err
+		}
+		exports = append(exports, &nbdtarget.Export{
+			Name:            name,
+			Description:     file,
+			Table:           t,
+			ReadOnly:        sf.readOnly,
+			Flush:           flusher,
+			Discard:         discarder,
+			PerSegmentFlush: sf.flushBaseline == "per-segment",
+		})
+		log.Info("export", "name", name, "table", file, "bytes", t.Size(), "segments", len(t.Lines))
+	}
+
+	listeners, err := listen(sf)
+	if err != nil {
+		return err
+	}
+	srv := &nbdtarget.Server{Exports: exports, Logger: log}
+	errc := make(chan error, len(listeners))
+	for _, l := range listeners {
+		log.Info("listening", "addr", l.Addr().String())
+		go func() { errc <- srv.Serve(l) }()
+	}
+	if demo {
+		printDemoHelp(os.Stdout, listeners[0].Addr(), exports[0])
+	}
+
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	select {
+	case s := <-sig:
+		log.Info("shutting down", "signal", s.String())
+	case err := <-errc:
+		log.Error("serve", "err", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		log.Error("shutdown", "err", err)
+	}
+	if err := pool.Sync(); err != nil {
+		return err
+	}
+	logStats(log, flusher, discarder)
+	return nil
+}
+
+// listen opens the unix socket and/or TCP listener; TCP binds loopback
+// unless told otherwise.
+func listen(sf serveFlags) ([]net.Listener, error) {
+	var ls []net.Listener
+	if sf.socket != "" {
+		os.Remove(sf.socket)
+		l, err := net.Listen("unix", sf.socket)
+		if err != nil {
+			return nil, err
+		}
+		ls = append(ls, l)
+	}
+	if sf.listen == "" && sf.socket == "" {
+		sf.listen = "127.0.0.1:10809"
+	}
+	if sf.listen != "" {
+		l, err := net.Listen("tcp", sf.listen)
+		if err != nil {
+			for _, l := range ls {
+				l.Close()
+			}
+			return nil, err
+		}
+		ls = append(ls, l)
+	}
+	return ls, nil
+}
+
+func logStats(log *slog.Logger, f *flush.Engine, d *discard.Engine) {}
+
