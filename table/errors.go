@@ -18,6 +18,7 @@ var (
 	ErrBeyondDevice  = errors.New("mapped area beyond the end of the device")
 	ErrDevice        = errors.New("cannot open device")
 	ErrTooMany       = errors.New("too many targets")
+	ErrLineTooLong   = errors.New("line too long")
 )
 
 // Error is a table error with its position: "FILE:LINE: reason".

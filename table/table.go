@@ -3,8 +3,7 @@ package table
 import (
 	"errors"
 	"fmt"
-	"sort"
-	"strings"
+	"strconv"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 )
@@ -72,7 +71,8 @@ type Target interface {
 	// virtual order. VOff in emitted extents is relative to the line start;
 	// Table.Map rebases it.
 	Map(off, n int64, emit func(Extent))
-	// Devices lists the distinct backing devices this target reads or writes.
+	// Devices lists the distinct backing devices this target reads or
+	// writes. The slice belongs to the target: callers must not modify it.
 	Devices() []backing.Device
 }
 
@@ -89,20 +89,28 @@ type Table struct {
 	size  int64
 }
 
-// New builds a table from contiguous lines. Parse calls it; tests may too.
+// New builds a table from contiguous lines. Parse validates as it reads;
+// New is for code that builds lines itself. Errors are *Error with the
+// 1-based index of the offending line.
 func New(file string, lines []Line) (*Table, error) {
+	if len(lines) == 0 {
+		return nil, &Error{File: file, Err: ErrEmpty}
+	}
+	if len(lines) > MaxTargets {
+		return nil, &Error{File: file, Line: MaxTargets + 1, Err: ErrTooMany}
+	}
 	var next Sector
 	for i, l := range lines {
-		if l.Start != next {
-			return nil, fmt.Errorf("line %d: %w", i+1, ErrGap)
-		}
 		if l.Length == 0 {
-			return nil, fmt.Errorf("line %d: %w", i+1, ErrZeroLength)
+			return nil, &Error{File: file, Line: i + 1, Err: ErrZeroLength}
+		}
+		if l.Start != next {
+			return nil, &Error{File: file, Line: i + 1, Err: ErrGap}
+		}
+		if l.Length > maxSector-l.Start {
+			return nil, &Error{File: file, Line: i + 1, Err: ErrNumber}
 		}
 		next = l.Start + l.Length
-	}
-	if len(lines) == 0 {
-		return nil, ErrEmpty
 	}
 	return &Table{File: file, Lines: lines, size: next.Bytes()}, nil
 }
@@ -112,22 +120,37 @@ func (t *Table) Size() int64 { return t.size }
 
 // Map calls emit for each extent covering the virtual range [off, off+n), in
 // ascending order. The range must lie inside the table (validated at the
-// protocol edge). Finding the first line is a binary search.
+// protocol edge). The first line is found by binary search over line ends;
+// a range that ends exactly on a line boundary does not touch the next line:
+//
+//	lines      [0 ........ 8)[8 ........ 16)    (sectors)
+//	Map(0, 8 sectors)  -> line 0 only
+//	Map(8 sectors, 1)  -> line 1 only
+//	Map(7 sectors, 2 sectors) -> line 0 [7,8), then line 1 [8,9)
 func (t *Table) Map(off, n int64, emit func(Extent)) {
 	end := off + n
-	i := sort.Search(len(t.Lines), func(i int) bool {
-		l := t.Lines[i]
-		return (l.Start + l.Length).Bytes() > off
-	})
-	for ; i < len(t.Lines) && off < end; i++ {
-		l := t.Lines[i]
-		start, stop := l.Start.Bytes(), (l.Start + l.Length).Bytes()
-		chunk := min(end, stop) - off
-		l.Target.Map(off-start, chunk, func(e Extent) {
-			e.VOff += start
-			emit(e)
-		})
-		off += chunk
+	// First line whose end lies past off.
+	lo, hi := 0, len(t.Lines)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if l := &t.Lines[m]; (l.Start + l.Length).Bytes() > off {
+			hi = m
+		} else {
+			lo = m + 1
+		}
+	}
+	// One closure per call, not per line: base moves as the loop does.
+	var base int64
+	rebase := func(e Extent) {
+		e.VOff += base
+		emit(e)
+	}
+	for i := lo; i < len(t.Lines) && off < end; i++ {
+		l := &t.Lines[i]
+		base = l.Start.Bytes()
+		k := min(end, (l.Start+l.Length).Bytes()) - off
+		l.Target.Map(off-base, k, rebase)
+		off += k
 	}
 }
 
@@ -153,16 +176,22 @@ func (t *Table) Devices() []backing.Device {
 	return out
 }
 
-// String prints the table as `dmsetup table` would, devices as given.
+// String prints the table as `dmsetup table` would: one line per target,
+// devices as given, numbers in plain decimal. Parse(String()) gives back an
+// equal table.
 func (t *Table) String() string {
-	var b strings.Builder
+	var b []byte
 	for _, l := range t.Lines {
-		fmt.Fprintf(&b, "%d %d %s", l.Start, l.Length, l.Target.Type())
+		b = strconv.AppendUint(b, uint64(l.Start), 10)
+		b = append(b, ' ')
+		b = strconv.AppendUint(b, uint64(l.Length), 10)
+		b = append(b, ' ')
+		b = append(b, l.Target.Type()...)
 		for _, a := range l.Target.Args() {
-			b.WriteByte(' ')
-			b.WriteString(a)
+			b = append(b, ' ')
+			b = append(b, a...)
 		}
-		b.WriteByte('\n')
+		b = append(b, '\n')
 	}
-	return b.String()
+	return string(b)
 }
