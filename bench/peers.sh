@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Serves one backing file through nbdmapper, nbdkit (file plugin) and qemu-nbd
+# and runs the same fio nbd-engine workloads against each, in one run, so the
+# ratios are measured under the same machine load.
+#
+#   bench/peers.sh [SIZE_MIB] [RUNTIME_S]
+#
+# Prints a markdown table: each peer's figure (IOPS, or MiB/s for 1M rows) and
+# nbdmapper's ratio to the best peer. Results land in bench/results/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+size_mib=${1:-1024}
+runtime=${2:-10}
+
+for tool in fio nbdkit qemu-nbd python3; do
+	command -v "$tool" >/dev/null || { echo "bench/peers.sh: $tool missing (apt-get install fio nbdkit qemu-utils)" >&2; exit 1; }
+done
+
+out=bench/results/peers-$(date +%Y%m%d-%H%M%S)
+mkdir -p "$out"
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"' EXIT
+
+go build -o "$work/nbdmapper" ./cmd/nbdmapper
+disk=$work/disk.img
+# A fully allocated file, so no peer pays for allocating holes during the run.
+fallocate -l "${size_mib}M" "$disk"
+dd if=/dev/urandom of="$disk" bs=1M count="$size_mib" conv=notrunc status=none
+sectors=$((size_mib * 2048))
+echo "0 $sectors linear $disk 0" >"$work/one.table"
+
+start_peer() { # name socket
+	local name=$1 sock=$2
+	case $name in
+	nbdmapper) "$work/nbdmapper" serve --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
+	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
+	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
+		--cache writeback --aio threads "$disk" 2>"$out/$name.log" & ;;
+	esac
+	peer_pid=$!
+	for _ in $(seq 100); do [ -S "$sock" ] && return; sleep 0.1; done
+	echo "$name did not start" >&2; cat "$out/$name.log" >&2; exit 1
+}
+
+# name | fio args
+workloads=(
+	"4k randread qd32|--rw=randread --bs=4k --iodepth=32"
+	"4k randwrite qd32|--rw=randwrite --bs=4k --iodepth=32"
+	"1M read qd8|--rw=read --bs=1M --iodepth=8"
+	"1M write qd8|--rw=write --bs=1M --iodepth=8"
+	"4k randwrite fsync=1|--rw=randwrite --bs=4k --iodepth=1 --fsync=1"
+	"4k randread 4 conns|--rw=randread --bs=4k --iodepth=8 --numjobs=4"
+)
+peers=(nbdmapper nbdkit qemu-nbd)
+
+for peer in "${peers[@]}"; do
+	sock=$work/$peer.sock
+	start_peer "$peer" "$sock"
+	for i in "${!workloads[@]}"; do
+		args=${workloads[$i]#*|}
+		# shellcheck disable=SC2086
+		fio --name=w$i --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" $args \
+			--size="${size_mib}M" --time_based --runtime="$runtime" --ramp_time=1 \
+			--group_reporting --output-format=json --output="$out/$peer-$i.json" >/dev/null
+	done
+	kill -INT "$peer_pid"
+	wait "$peer_pid" || true
+done
+
+printf '%s\n' "${workloads[@]%%|*}" >"$out/names"
+python3 - "$out" "${peers[@]}" <<'PY' | tee "$out/table.md"
+import json, sys
+out, peers = sys.argv[1], sys.argv[2:]
+names = open(f"{out}/names").read().splitlines()
+
+def figure(peer, i):
+    job = json.load(open(f"{out}/{peer}-{i}.json"))["jobs"][0]
+    side = job["read"] if job["read"]["io_bytes"] else job["write"]
+    if names[i].startswith("1M"):
+        return side["bw_bytes"] / 2**20, "MiB/s"
+    return side["iops"], "IOPS"
+
+print("| workload | unit | " + " | ".join(peers) + " | nbdmapper / best peer |")
+print("|---|---|" + "---|" * len(peers) + "---|")
+for i, name in enumerate(names):
+    vals = {p: figure(p, i) for p in peers}
+    unit = vals[peers[0]][1]
+    best = max(vals[p][0] for p in peers if p != "nbdmapper")
+    ratio = vals["nbdmapper"][0] / best if best else float("nan")
+    cells = " | ".join(f"{vals[p][0]:.0f}" for p in peers)
+    print(f"| {name} | {unit} | {cells} | {ratio:.2f} |")
+PY
