@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# vmtest/run.sh boots a throw-away Linux guest under QEMU and runs one script
+# in it, so that nbdmapper can be tested through the real kernel nbd driver,
+# dm-linear and ext4, which the host kernel may not have.
+#
+#   vmtest/run.sh [-o OUTDIR] [-d DISK_MiB] [-m MEM_MiB] [-t TIMEOUT_S] SCRIPT [ARGS...]
+#
+# The guest:
+#   - runs Debian's linux-image-amd64 (downloaded with apt-get download and
+#     unpacked into vmtest/cache, never installed on the host) under TCG;
+#     nested KVM hangs at boot on the machines this was written for;
+#   - boots a busybox initramfs that loads virtio, 9p, nbd, dm-mod,
+#     dm-snapshot and ext4 (with their dependencies), mounts the host's root
+#     read-only over virtio-9p and chroots into it, so the host's fio,
+#     nbd-client, dmsetup and mkfs are the guest's;
+#   - has a scratch raw disk OUTDIR/disk.img (DISK_MiB, default 512) on
+#     virtio-blk with cache=writeback, so guest flushes reach the host as
+#     fdatasync: it is /dev/vda in the guest;
+#   - has OUTDIR shared read-write at /tmp/vmout ($VMOUT), with the freshly
+#     built nbdmapper at $VMOUT/nbdmapper ($NBDMAPPER);
+#   - has no network; /tmp, /run and /var/tmp are tmpfs.
+# SCRIPT (a host path) runs under bash in the guest with ARGS, cwd $VMOUT.
+# Its exit status becomes run.sh's, and is printed as a marker line
+#   VMTEST-EXIT <status>
+# on the console, which run.sh copies to stdout and OUTDIR/console.log.
+#
+# Exit 77 means QEMU could not be run at all (callers skip on it).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/.." && pwd)
+cache=${VMTEST_CACHE:-$here/cache}
+out="" disk_mb=512 mem_mb=2048 timeout_s=1200
+while getopts "o:d:m:t:" opt; do
+	case $opt in
+	o) out=$OPTARG ;;
+	d) disk_mb=$OPTARG ;;
+	m) mem_mb=$OPTARG ;;
+	t) timeout_s=$OPTARG ;;
+	*) exit 2 ;;
+	esac
+done
+shift $((OPTIND - 1))
+if [ $# -lt 1 ]; then
+	sed -n '2,/^set -e/p' "$0" | sed 's/^# \{0,1\}//;/^set -e/d' >&2
+	exit 2
+fi
+script=$(realpath "$1")
+shift
+[ -n "$out" ] || out=$(mktemp -d /tmp/vmtest.XXXXXX)
+mkdir -p "$out" "$cache"
+out=$(realpath "$out")
+
+log() { echo "vmtest: $*" >&2; }
+
+# need installs the Debian packages for missing commands, as root only.
+need() {
+	local missing=() cmd pkg
+	for spec in "$@"; do
+		cmd=${spec%%:*} pkg=${spec#*:}
+		command -v "$cmd" >/dev/null 2>&1 || [ -x "$cmd" ] || missing+=("$pkg")
+	done
+	((${#missing[@]})) || return 0
+	if [ "$(id -u)" != 0 ]; then
+		log "missing packages ${missing[*]} and not root to install them"
+		return 1
+	fi
+	log "installing ${missing[*]}"
+	apt-get update -q >&2
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+}
+
+need depmod:kmod /bin/busybox:busybox-static fio:fio nbd-client:nbd-client \
+	dmsetup:dmsetup mkfs.ext4:e2fsprogs blkdiscard:util-linux || true
+if ! need qemu-system-x86_64:qemu-system-x86 || ! command -v qemu-system-x86_64 >/dev/null; then
+	echo "VMTEST-SKIP qemu-system-x86_64 is not available" >&2
+	exit 77
+fi
+
+# kernel: the newest linux-image-<version>-amd64 that linux-image-amd64 pulls in.
+kdir=$cache/kernel
+if [ ! -f "$kdir/ok" ]; then
+	pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}')
+	if [ -z "$pkg" ]; then
+		apt-get update -q >&2
+		pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-/{print $2; exit}')
+	fi
+	log "fetching kernel package $pkg"
+	rm -rf "$kdir" "$cache"/linux-image-*.deb
+	(cd "$cache" && apt-get download -q -o APT::Sandbox::User=root "$pkg" >&2)
+	mkdir -p "$kdir"
+	dpkg-deb -x "$cache"/linux-image-*.deb "$kdir"
+	rm -f "$cache"/linux-image-*.deb
+	touch "$kdir/ok"
+fi
+kver=$(ls "$kdir/lib/modules" | head -1)
+vmlinuz=$kdir/boot/vmlinuz-$kver
+
+# initramfs: busybox, the modules below with their dependencies, /init.
+modules=(virtio_pci virtio_blk 9pnet_virtio 9p crc32c_generic crc32c-intel ext4 nbd dm-mod dm-snapshot dm-zero)
+initrd=$cache/initramfs-$kver.cpio.gz
+stamp=$(cat "$here/guest/init" "$0" | sha256sum | cut -c1-16)
+if [ ! -f "$initrd" ] || [ "$(cat "$initrd.stamp" 2>/dev/null)" != "$stamp" ]; then
+	log "building initramfs for $kver"
+	[ -f "$kdir/lib/modules/$kver/modules.dep" ] || depmod -b "$kdir" "$kver"
+	stage=$(mktemp -d "$cache/stage.XXXXXX")
+	mkdir -p "$stage"/{bin,dev,proc,sys,newroot,lib/modules/$kver}
+	cp /bin/busybox "$stage/bin/busybox"
+	ln -s busybox "$stage/bin/sh"
+	mdir=$kdir/lib/modules/$kver
+	: >"$stage/load-order"
+	declare -A seen=()
+	# add appends a module's dependencies, then the module, to load-order.
+	add() {
+		local rel deps d
+		rel=$(find "$mdir/kernel" -name "$1.ko*" -printf '%P\n' | head -1)
+		[ -n "$rel" ] || rel=$(find "$mdir/kernel" -name "$(echo "$1" | tr _- -_).ko*" -printf '%P\n' | head -1)
+		[ -n "$rel" ] || { grep -q "/$1.ko" "$mdir/modules.builtin" || log "no module $1"; return 0; }
+		rel=kernel/$rel
+		[ -z "${seen[$rel]:-}" ] || return 0
+		seen[$rel]=1
+		deps=$(awk -v m="$rel:" '$1 == m {$1=""; print}' "$mdir/modules.dep")
+		for d in $deps; do add "$(basename "${d%%.ko*}")"; done
+		mkdir -p "$stage/lib/modules/$kver/$(dirname "$rel")"
+		cp "$mdir/$rel" "$stage/lib/modules/$kver/$rel"
+		echo "$rel" >>"$stage/load-order"
+	}
+	for m in "${modules[@]}"; do add "$m"; done
+	cp "$mdir"/modules.{order,builtin,builtin.modinfo} "$stage/lib/modules/$kver/"
+	depmod -b "$stage" "$kver"
+	cp "$here/guest/init" "$stage/init"
+	chmod +x "$stage/init"
+	(cd "$stage" && find . -mindepth 1 | busybox cpio -o -H newc 2>/dev/null | gzip -1) >"$initrd.tmp"
+	mv "$initrd.tmp" "$initrd"
+	echo "$stamp" >"$initrd.stamp"
+	rm -rf "$stage"
+fi
+
+# the binary under test, when this checkout can build it.
+if command -v go >/dev/null && [ -d "$repo/cmd/nbdmapper" ]; then
+	if ! (cd "$repo" && CGO_ENABLED=0 go build -o "$out/nbdmapper" ./cmd/nbdmapper) >&2; then
+		log "go build ./cmd/nbdmapper failed; the guest gets no nbdmapper"
+		rm -f "$out/nbdmapper"
+	fi
+fi
+
+rm -f "$out/disk.img"
+truncate -s "${disk_mb}M" "$out/disk.img"
+# /tmp, /run and /var/tmp are the guest's own: bring a script from there along.
+case $script in
+/tmp/* | /run/* | /var/tmp/*)
+	cp "$script" "$out/script.sh"
+	script=/tmp/vmout/script.sh
+	;;
+esac
+{
+	printf 'export VMOUT=/tmp/vmout NBDMAPPER=/tmp/vmout/nbdmapper VMTEST_REPO=%q\n' "$repo"
+	printf 'export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n'
+	printf 'cd /tmp/vmout\n'
+	printf 'exec bash %q' "$script"
+	for a in "$@"; do printf ' %q' "$a"; done
+	printf '\n'
+} >"$out/job.sh"
+
+cpus=$(nproc)
+[ "$cpus" -le 2 ] || cpus=2
+log "booting $kver (TCG, $cpus vCPUs, ${mem_mb} MiB), console in $out/console.log"
+start=$(date +%s)
+set +e
+timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 \
+	-nodefaults -no-user-config -no-reboot -display none \
+	-accel tcg,thread=multi -cpu max -smp "$cpus" -m "$mem_mb" \
+	-kernel "$vmlinuz" -initrd "$initrd" \
+	-append "console=ttyS0 panic=-1 quiet loglevel=3 random.trust_cpu=on" \
+	-serial stdio \
+	-virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
+	-virtfs local,path="$out",mount_tag=vmout,security_model=none,multidevs=remap \
+	-drive file="$out/disk.img",if=virtio,format=raw,cache=writeback,discard=unmap \
+	</dev/null 2>&1 | tee "$out/console.log"
+qrc=${PIPESTATUS[0]}
+set -e
+log "guest ran $(($(date +%s) - start)) s, qemu exit $qrc"
+rc=$(sed -n 's/^VMTEST-EXIT \([0-9]*\).*/\1/p' "$out/console.log" | tail -1)
+if [ -z "$rc" ]; then
+	if [ ! -s "$out/console.log" ]; then
+		echo "VMTEST-SKIP qemu-system-x86_64 could not run (exit $qrc, no console output)" >&2
+		exit 77
+	fi
+	log "guest gave no exit status (qemu exit $qrc)"
+	exit 1
+fi
+exit "$rc"
