@@ -39,7 +39,13 @@ func (x *Export) devices() []backing.Device {
 
 // ReadAt fills p from the virtual device at off.
 func (x *Export) ReadAt(p []byte, off int64) error {
-	var err error
+	_, err := x.readAt(p, off)
+	return err
+}
+
+// readAt is ReadAt that also reports the virtual offset of the extent that
+// failed, for the ERROR_OFFSET chunk of a structured reply.
+func (x *Export) readAt(p []byte, off int64) (failed int64, err error) {
 	x.Table.Map(off, int64(len(p)), func(e table.Extent) {
 		if err != nil {
 			return
@@ -53,8 +59,27 @@ func (x *Export) ReadAt(p []byte, off int64) error {
 		case table.KindError:
 			err = table.ErrTarget
 		}
+		if err != nil {
+			failed = e.VOff
+		}
 	})
-	return err
+	return failed, err
+}
+
+// Cache reads [off, off+n) through into the backing devices' caches (the
+// page cache, for files) and drops the data. It fails where a read would.
+func (x *Export) Cache(off, n int64) error {
+	const chunk = 1 << 20
+	bp := getBuf(int(min(n, chunk)))
+	defer putBuf(bp)
+	for end := off + n; off < end; {
+		m := min(end-off, chunk)
+		if err := x.ReadAt((*bp)[:m], off); err != nil {
+			return err
+		}
+		off += m
+	}
+	return nil
 }
 
 // WriteAt writes p to the virtual device at off. With fua it returns only
@@ -163,17 +188,31 @@ type BlockExtent struct {
 // starting at off. Holes in backing files are hole+zero; zero targets are
 // hole+zero; everything else is data.
 func (x *Export) BlockStatus(off, n int64) ([]BlockExtent, error) {
-	var out []BlockExtent
+	return x.blockStatus(off, n, 0, nil)
+}
+
+// blockStatus is BlockStatus appending to out and stopping at limit extents
+// (0: no limit). The extents then cover a prefix of the range, which NBD
+// allows; REQ_ONE asks for limit 1.
+func (x *Export) blockStatus(off, n int64, limit int, out []BlockExtent) ([]BlockExtent, error) {
 	var err error
+	full := false
 	add := func(length int64, flags uint32) {
+		if full {
+			return
+		}
 		if k := len(out) - 1; k >= 0 && out[k].Flags == flags {
 			out[k].Len += length
+			return
+		}
+		if limit > 0 && len(out) == limit {
+			full = true
 			return
 		}
 		out = append(out, BlockExtent{Len: length, Flags: flags})
 	}
 	x.Table.Map(off, n, func(e table.Extent) {
-		if err != nil {
+		if err != nil || full {
 			return
 		}
 		switch e.Kind {

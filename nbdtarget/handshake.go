@@ -1,0 +1,319 @@
+package nbdtarget
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// Handshake errors: each ends only the connection it happened on.
+var (
+	errClientFlags = errors.New("unknown client flags")
+	errOptMagic    = errors.New("bad option magic")
+	errAbort       = errors.New("client aborted the handshake")
+	errNoExport    = errors.New("EXPORT_NAME for an unknown export")
+)
+
+// transmissionFlags are the flags advertised for x: exactly what the
+// transmission phase implements. DF needs structured replies.
+func transmissionFlags(x *Export, structured bool) uint16 {
+	f := tfHasFlags | tfSendFlush | tfSendFUA | tfSendCache | tfCanMultiConn
+	if x.ReadOnly {
+		f |= tfReadOnly
+	} else {
+		f |= tfSendTrim | tfSendWriteZeroes | tfSendFastZero
+	}
+	if structured {
+		f |= tfSendDF
+	}
+	return f
+}
+
+// handshake runs the fixed-newstyle negotiation and returns the export the
+// client chose with GO or EXPORT_NAME. Any error means: close the connection.
+//
+//	S: greeting (NBDMAGIC, IHAVEOPT, FIXED_NEWSTYLE|NO_ZEROES)
+//	C: client flags
+//	C: option, S: reply(ies)   ... repeated
+//	C: GO (S: INFO..., ACK) or EXPORT_NAME (S: size, flags[, 124 zeros])
+func (c *conn) handshake() (*Export, error) {
+	g := greeting{OldstyleMagic: magicNBD, OptionMagic: magicOpt, HandshakeFlags: flagFixedNewstyle | flagNoZeroes}
+	if err := binary.Write(c.bw, binary.BigEndian, g); err != nil {
+		return nil, err
+	}
+	if err := c.bw.Flush(); err != nil {
+		return nil, err
+	}
+	var cflags uint32
+	if err := binary.Read(c.br, binary.BigEndian, &cflags); err != nil {
+		return nil, err
+	}
+	if cflags&^clientKnown != 0 {
+		return nil, fmt.Errorf("%w %#x", errClientFlags, cflags)
+	}
+	c.noZeroes = cflags&clientNoZeroes != 0
+
+	for {
+		var h optionHeader
+		if err := binary.Read(c.br, binary.BigEndian, &h); err != nil {
+			return nil, err
+		}
+		if h.OptionMagic != magicOpt {
+			return nil, fmt.Errorf("%w %#x", errOptMagic, h.OptionMagic)
+		}
+		if h.Length > maxOptionLen {
+			if h.ID == optExportName {
+				return nil, fmt.Errorf("EXPORT_NAME of %d bytes", h.Length)
+			}
+			// Skip it without holding it in memory, and stay in sync.
+			if _, err := io.CopyN(io.Discard, c.br, int64(h.Length)); err != nil {
+				return nil, err
+			}
+			if err := c.optReply(h.ID, repErrTooBig, []byte("option data too long")); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		data := make([]byte, h.Length)
+		if _, err := io.ReadFull(c.br, data); err != nil {
+			return nil, err
+		}
+		x, err := c.option(h.ID, data)
+		if err != nil || x != nil {
+			return x, err
+		}
+	}
+}
+
+// option handles one option. It returns the chosen export when the
+// handshake is over, an error when the connection must close, or neither.
+func (c *conn) option(id uint32, data []byte) (*Export, error) {
+	switch id {
+	case optExportName:
+		x := c.srv.lookup(string(data))
+		if x == nil {
+			// No error reply is possible for EXPORT_NAME.
+			return nil, fmt.Errorf("%w %q", errNoExport, data)
+		}
+		c.metaExport = nil // EXPORT_NAME cannot select meta contexts usefully
+		b := binary.BigEndian.AppendUint64(nil, uint64(x.Size()))
+		b = binary.BigEndian.AppendUint16(b, transmissionFlags(x, c.structured))
+		if !c.noZeroes {
+			b = append(b, make([]byte, exportNamePad)...)
+		}
+		if _, err := c.bw.Write(b); err != nil {
+			return nil, err
+		}
+		return x, c.bw.Flush()
+
+	case optAbort:
+		// The client may not wait for this ACK; ignore a failed write.
+		c.optReply(id, repAck, nil)
+		return nil, errAbort
+
+	case optList:
+		if len(data) != 0 {
+			return nil, c.optReply(id, repErrInvalid, []byte("LIST takes no data"))
+		}
+		for _, x := range c.srv.Exports {
+			b := binary.BigEndian.AppendUint32(nil, uint32(len(x.Name)))
+			b = append(b, x.Name...)
+			b = append(b, x.Description...)
+			if err := c.optReply(id, repServer, b); err != nil {
+				return nil, err
+			}
+		}
+		return nil, c.optReply(id, repAck, nil)
+
+	case optInfo, optGo:
+		return c.optInfo(id, data)
+
+	case optStructuredReply:
+		if len(data) != 0 {
+			return nil, c.optReply(id, repErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
+		}
+		c.structured = true
+		return nil, c.optReply(id, repAck, nil)
+
+	case optListMetaContext, optSetMetaContext:
+		return nil, c.optMeta(id, data)
+	}
+	return nil, c.optReply(id, repErrUnsup, []byte("option not supported"))
+}
+
+// optInfo handles INFO and GO:
+//
+//	C: u32 name length | name | u16 number of info requests | u16 info type...
+//	S: REP_INFO(EXPORT), REP_INFO(BLOCK_SIZE), [REP_INFO(NAME)], [REP_INFO(DESCRIPTION)], ACK
+func (c *conn) optInfo(id uint32, data []byte) (*Export, error) {
+	d := optData{b: data}
+	name := d.str(d.u32())
+	n := d.u16()
+	reqs := make([]uint16, 0, min(int(n), len(d.b)/2))
+	for range n {
+		r := d.u16()
+		if d.bad {
+			break
+		}
+		reqs = append(reqs, r)
+	}
+	if !d.done() {
+		return nil, c.optReply(id, repErrInvalid, []byte("malformed INFO/GO request"))
+	}
+	x := c.srv.lookup(name)
+	if x == nil {
+		return nil, c.optReply(id, repErrUnknown, []byte("no export named "+name))
+	}
+	b := binary.BigEndian.AppendUint16(nil, infoExport)
+	b = binary.BigEndian.AppendUint64(b, uint64(x.Size()))
+	b = binary.BigEndian.AppendUint16(b, transmissionFlags(x, c.structured))
+	if err := c.optReply(id, repInfo, b); err != nil {
+		return nil, err
+	}
+	// Block size is sent whether asked for or not: it is how clients learn
+	// the 32 MiB payload limit.
+	b = binary.BigEndian.AppendUint16(b[:0], infoBlockSize)
+	b = binary.BigEndian.AppendUint32(b, MinBlockSize)
+	b = binary.BigEndian.AppendUint32(b, PreferredBlockSize)
+	b = binary.BigEndian.AppendUint32(b, MaxPayload)
+	if err := c.optReply(id, repInfo, b); err != nil {
+		return nil, err
+	}
+	sentName, sentDesc := false, false
+	for _, r := range reqs {
+		switch {
+		case r == infoName && !sentName:
+			sentName = true
+			b = binary.BigEndian.AppendUint16(b[:0], infoName)
+			b = append(b, x.Name...)
+		case r == infoDescription && !sentDesc && x.Description != "":
+			sentDesc = true
+			b = binary.BigEndian.AppendUint16(b[:0], infoDescription)
+			b = append(b, x.Description...)
+		default:
+			continue
+		}
+		if err := c.optReply(id, repInfo, b); err != nil {
+			return nil, err
+		}
+	}
+	if err := c.optReply(id, repAck, nil); err != nil {
+		return nil, err
+	}
+	if id == optInfo {
+		return nil, nil
+	}
+	if c.metaExport != x {
+		// Contexts were selected for another export: they do not apply.
+		c.meta, c.metaExport = false, nil
+	}
+	return x, nil
+}
+
+// optMeta handles LIST_META_CONTEXT and SET_META_CONTEXT:
+//
+//	C: u32 name length | name | u32 number of queries | {u32 length | query}...
+//	S: REP_META_CONTEXT(u32 id | "base:allocation")..., ACK
+//
+// base:allocation is the only context. LIST with no queries lists it, and
+// so does the namespace query "base:"; SET selects it only by its full name.
+func (c *conn) optMeta(id uint32, data []byte) error {
+	set := id == optSetMetaContext
+	if set {
+		c.meta, c.metaExport = false, nil
+	}
+	if !c.structured {
+		return c.optReply(id, repErrInvalid, []byte("structured replies not negotiated"))
+	}
+	d := optData{b: data}
+	name := d.str(d.u32())
+	n := d.u32()
+	match := false
+	for range n {
+		q := d.str(d.u32())
+		if d.bad {
+			break
+		}
+		switch {
+		case q == metaBaseAllocation:
+			match = true
+		case q == "base:" && !set:
+			match = true
+		}
+	}
+	if !d.done() {
+		return c.optReply(id, repErrInvalid, []byte("malformed meta context request"))
+	}
+	x := c.srv.lookup(name)
+	if x == nil {
+		return c.optReply(id, repErrUnknown, []byte("no export named "+name))
+	}
+	if n == 0 && !set {
+		match = true
+	}
+	if match {
+		ctxID := uint32(0) // reserved in LIST replies
+		if set {
+			ctxID = metaBaseID
+			c.meta, c.metaExport = true, x
+		}
+		b := binary.BigEndian.AppendUint32(nil, ctxID)
+		b = append(b, metaBaseAllocation...)
+		if err := c.optReply(id, repMetaContext, b); err != nil {
+			return err
+		}
+	}
+	return c.optReply(id, repAck, nil)
+}
+
+// optReply sends one option reply and flushes it.
+func (c *conn) optReply(id, typ uint32, data []byte) error {
+	h := optionReply{ReplyMagic: magicOptReply, ID: id, Type: typ, Length: uint32(len(data))}
+	if err := binary.Write(c.bw, binary.BigEndian, h); err != nil {
+		return err
+	}
+	if _, err := c.bw.Write(data); err != nil {
+		return err
+	}
+	return c.bw.Flush()
+}
+
+// optData decodes option data; any read past the end sets bad.
+type optData struct {
+	b   []byte
+	bad bool
+}
+
+func (d *optData) u16() uint16 {
+	if len(d.b) < 2 {
+		d.bad, d.b = true, nil
+		return 0
+	}
+	v := binary.BigEndian.Uint16(d.b)
+	d.b = d.b[2:]
+	return v
+}
+
+func (d *optData) u32() uint32 {
+	if len(d.b) < 4 {
+		d.bad, d.b = true, nil
+		return 0
+	}
+	v := binary.BigEndian.Uint32(d.b)
+	d.b = d.b[4:]
+	return v
+}
+
+func (d *optData) str(n uint32) string {
+	if d.bad || uint64(n) > uint64(len(d.b)) || n > maxStringLen {
+		d.bad, d.b = true, nil
+		return ""
+	}
+	s := string(d.b[:n])
+	d.b = d.b[n:]
+	return s
+}
+
+// done reports whether the data was consumed exactly.
+func (d *optData) done() bool { return !d.bad && len(d.b) == 0 }
