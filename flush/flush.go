@@ -1,59 +1,173 @@
-// Package flush turns an NBD flush into the fewest syncs that keep its
-// guarantee: each distinct backing device that was written since its last
-// sync is synced once; clean devices are skipped.
-//
-//	client -> nbdtarget -> table -> flush / discard -> backing
-//
-// PLACEHOLDER: a minimal correct engine; issue 3 replaces the internals
-// (dirty generations, group commit, plans, stats) behind the same API.
 package flush
 
 import (
+	"errors"
+	"fmt"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 )
 
 // Engine tracks which backing devices are dirty and syncs them on Flush.
 // One Engine is shared by every connection and export of a server.
-type Engine struct{}
+type Engine struct {
+	// Observe, if set, is called after every real sync of a device with the
+	// device's name and how long the sync took (the metrics package fills a
+	// histogram from it). Set it before the engine is used.
+	Observe func(device string, d time.Duration)
+
+	flushes atomic.Uint64
+
+	mu      sync.Mutex
+	tracked map[backing.Device]*tracked // by inner device and by wrapper
+	order   []*tracked
+}
 
 // New returns an engine with no tracked devices.
-func New() *Engine { return &Engine{} }
+func New() *Engine { return &Engine{tracked: make(map[backing.Device]*tracked)} }
 
 // Track wraps d so that writes, discards and zeroing through it mark it
-// dirty. A backing.Pool calls Track once per distinct device.
-func (e *Engine) Track(d backing.Device) backing.Device { return d }
+// dirty, and so that Flush can skip it when it is clean. A backing.Pool
+// calls Track once per distinct device (install it as Pool.Wrap). Tracking
+// the same device, or its wrapper, again returns the same wrapper.
+func (e *Engine) Track(d backing.Device) backing.Device {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if t, ok := e.tracked[d]; ok {
+		return t
+	}
+	t := &tracked{Device: d, e: e}
+	e.tracked[d] = t
+	e.tracked[t] = t
+	e.order = append(e.order, t)
+	return t
+}
 
-// Flush makes every write to devs that completed before the call durable,
-// syncing each distinct device at most once and concurrently.
+// lookup returns the engine's state for d, or nil if d is not a device this
+// engine tracks.
+func (e *Engine) lookup(d backing.Device) *tracked {
+	if t, ok := d.(*tracked); ok && t.e == e {
+		return t
+	}
+	return nil
+}
+
+// Flush makes every write to devs that completed before the call durable.
+// Each distinct device is synced at most once, concurrently with the others;
+// clean devices are skipped and a running sync is shared (see the package
+// comment). Devices the engine does not track are synced unconditionally.
 func (e *Engine) Flush(devs []backing.Device) error {
-	var wg sync.WaitGroup
-	errs := make([]error, len(devs))
+	_, err := e.FlushPlan(devs)
+	return err
+}
+
+// FlushPlan is Flush that also returns what it did, for tests and debug logs.
+func (e *Engine) FlushPlan(devs []backing.Device) (Plan, error) {
+	e.flushes.Add(1)
+	devs = unique(devs)
+	// Read every device's need before deciding anything, so that the flush's
+	// arrival is one instant for all of its devices.
+	needs := make([]uint64, len(devs))
 	for i, d := range devs {
+		if t := e.lookup(d); t != nil {
+			needs[i] = t.written.Load()
+		}
+	}
+	plan := Plan{Entries: make([]Entry, len(devs))}
+	errs := make([]error, len(devs))
+	waits := make([]func() error, len(devs))
+	for i, d := range devs {
+		t := e.lookup(d)
+		if t == nil {
+			plan.Entries[i] = Entry{Device: d.Name(), Action: SyncUntracked}
+			waits[i] = d.Sync
+			continue
+		}
+		plan.Entries[i], waits[i] = t.request(needs[i])
+	}
+	// Run the waits: the first inline, the rest in goroutines, so a flush of
+	// one device costs no goroutine.
+	var wg sync.WaitGroup
+	first := -1
+	for i, w := range waits {
+		if w == nil {
+			continue
+		}
+		if first < 0 {
+			first = i
+			continue
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs[i] = d.Sync()
+			errs[i] = w()
 		}()
 	}
+	if first >= 0 {
+		errs[first] = waits[first]()
+	}
 	wg.Wait()
-	for _, err := range errs {
+	var all []error
+	for i, err := range errs {
 		if err != nil {
-			return err
+			all = append(all, fmt.Errorf("flush %s: %w", devs[i].Name(), err))
+		}
+	}
+	return plan, errors.Join(all...)
+}
+
+// Plan says what a Flush of devs arriving now would do, without syncing
+// anything or counting anything.
+func (e *Engine) Plan(devs []backing.Device) Plan {
+	devs = unique(devs)
+	plan := Plan{Entries: make([]Entry, len(devs))}
+	for i, d := range devs {
+		t := e.lookup(d)
+		if t == nil {
+			plan.Entries[i] = Entry{Device: d.Name(), Action: SyncUntracked}
+			continue
+		}
+		t.mu.Lock()
+		plan.Entries[i] = t.decide(t.written.Load())
+		t.mu.Unlock()
+	}
+	return plan
+}
+
+// SyncEach syncs every entry of devs unconditionally, one after another,
+// duplicates included, bypassing dirty tracking and group commit. It
+// reproduces dm's pre-6.11 one-flush-per-target behaviour and exists only as
+// a benchmark baseline (nbdtarget.Export.PerSegmentFlush). Its syncs are
+// counted in Stats like any other.
+func (e *Engine) SyncEach(devs []backing.Device) error {
+	e.flushes.Add(1)
+	for _, d := range devs {
+		var err error
+		if t := e.lookup(d); t != nil {
+			err = t.syncNow()
+		} else {
+			err = d.Sync()
+		}
+		if err != nil {
+			return fmt.Errorf("flush %s: %w", d.Name(), err)
 		}
 	}
 	return nil
 }
 
-// SyncEach syncs every entry of devs unconditionally, one after another,
-// duplicates included. It reproduces dm's pre-6.11 one-flush-per-target
-// behaviour and exists only as a benchmark baseline.
-func (e *Engine) SyncEach(devs []backing.Device) error {
+func unique(devs []backing.Device) []backing.Device {
+	if len(devs) <= 1 {
+		return devs
+	}
+	out := make([]backing.Device, 0, len(devs))
+	seen := make(map[backing.Device]bool, len(devs))
 	for _, d := range devs {
-		if err := d.Sync(); err != nil {
-			return err
+		if !seen[d] {
+			seen[d] = true
+			out = append(out, d)
 		}
 	}
-	return nil
+	return out
 }

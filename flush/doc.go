@@ -1,0 +1,81 @@
+// Package flush turns an NBD flush into the fewest syncs that keep its
+// guarantee: every write, write-zeroes or trim that was acknowledged before
+// the flush arrived is on stable storage before the flush is answered.
+//
+//	client -> nbdtarget -> table -> flush / discard -> backing
+//
+// The engine sits between the table (which knows which backing devices an
+// export uses) and the backing devices (which know how to sync). It is shared
+// by every connection and every export of a server, because dirtiness is a
+// property of a disk, not of the connection that wrote to it: NBD's
+// CAN_MULTI_CONN promises that a flush on one connection covers writes
+// acknowledged on all of them.
+//
+// # Why
+//
+// device-mapper before Linux 6.11 sent one empty flush per target, so a table
+// of 1024 linear segments on one disk turned every fsync into 1024 flushes
+// of that disk. Linux 6.11 sends one flush per device in the table. This
+// engine goes further in two ways: a device that nothing has written since
+// its last sync is not synced at all, and flushes that arrive while a sync of
+// a device is running share the next sync instead of each issuing their own.
+//
+// # Algorithm
+//
+// Each tracked device keeps two numbers:
+//
+//	written  how many writes (WriteAt, Discard, Zero) have completed on it;
+//	         bumped after the inner call returns, so before the client is
+//	         answered
+//	synced   the value of written read just before the last successful
+//	         sync was issued: every write counted there is durable
+//
+// A flush reads need = written of each device as it arrives. A device with
+// need <= synced is clean for this flush and skipped. Otherwise the flush
+// needs a sync that starts after its arrival, or the running one if that
+// one's start value is already >= need (which, because written only grows,
+// means nothing completed between that sync's start and the flush's
+// arrival). At most one sync of a device is in flight; flushes that arrive
+// during it queue for the next one, and the next sync serves every one of
+// them. A write that completes during a sync bumps written past the sync's
+// start, so the device stays dirty.
+//
+// Worked example, one device, writes w1..w4 by any connections, flushes
+// F1..F4 and syncs S1, S2 (time runs to the right; |===| is a sync in flight):
+//
+//	written  0     1     2           3           4
+//	writes   w1----w2---------w3--------------w4-----------------
+//	flushes           F1    F2       F3              F4
+//	                  need=2 need=2  need=3          need=4
+//	syncs             |==S1 start=2==|====S2 start=4====|
+//	synced   0                       2                  4
+//
+//	F1  dirty (need 2 > synced 0), nothing running: starts S1 with start 2.
+//	F2  arrives during S1 with need 2 <= S1's start: joins S1 (coalesced).
+//	w3  completes during S1: written 3 > S1's start, the device stays dirty.
+//	F3  need 3 > S1's start: queues for the next sync.
+//	S1  ends: synced = 2, F1 and F2 are answered; the queued sync S2 starts
+//	    now with start = written = 3 (w4 completes later; written becomes 4
+//	    only after S2 started... see F4).
+//	F4  arrives during S2 with need 4 > S2's start 3: queues for S3, or, if
+//	    nothing is written in between, is served by the sync after S2.
+//
+// Three flushes needed data on the disk while S1 ran; they cost one sync
+// each for S1 and S2 instead of three. A fifth flush arriving after S2 with
+// no new writes is skipped (need <= synced) and costs nothing.
+//
+// # Errors
+//
+// A failed sync fails every flush waiting for it. It is also sticky: Linux
+// may drop dirty pages after a failed fdatasync and report success on the
+// next one, so writes acknowledged before the failure may be gone without
+// any later sync noticing. Every later flush of that device therefore fails
+// too, as PostgreSQL does since "fsyncgate".
+//
+// # Plans and stats
+//
+// (*Engine).Plan computes what a flush would do now without doing it, and
+// FlushPlan returns what a flush did; both are plain printable values, so
+// tests compare them with golden files. Stats returns plain counters for the
+// metrics package.
+package flush

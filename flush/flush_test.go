@@ -1,0 +1,438 @@
+package flush
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"golang.org/x/sys/unix"
+)
+
+var update = flag.Bool("update", false, "rewrite golden files in testdata/")
+
+// disk is a tracked fault-injecting in-memory device: what reaches inner is
+// what a crash would leave.
+type disk struct {
+	inner  *backing.Mem
+	faulty *backing.Faulty
+	dev    backing.Device // tracked by the engine
+}
+
+func newDisk(e *Engine, name string) *disk {
+	inner := backing.NewMem(name, 1<<20)
+	f := backing.NewFaulty(inner)
+	return &disk{inner: inner, faulty: f, dev: e.Track(f)}
+}
+
+// hold makes the disk's syncs block until release is called; entered
+// receives once per sync that reached the device.
+func (d *disk) hold() (entered chan struct{}, release func()) {
+	entered = make(chan struct{}, 1024)
+	gate := make(chan struct{})
+	d.faulty.BeforeSync(func() {
+		entered <- struct{}{}
+		<-gate
+	})
+	var once sync.Once
+	return entered, func() { once.Do(func() { close(gate) }) }
+}
+
+func (d *disk) write(t testing.TB, off int64, b ...byte) {
+	t.Helper()
+	if _, err := d.dev.WriteAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func devStats(e *Engine, name string) DeviceStats {
+	for _, s := range e.Stats().Devices {
+		if s.Name == name {
+			return s
+		}
+	}
+	return DeviceStats{}
+}
+
+// waitRequested waits until n flushes have registered with the device (the
+// registration is what orders them; the wait itself has no time limit).
+func waitRequested(e *Engine, name string, n uint64) {
+	for devStats(e, name).Requested < n {
+		runtime.Gosched()
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func golden(t *testing.T, got string) {
+	t.Helper()
+	path := filepath.Join("testdata", strings.ReplaceAll(t.Name(), "/", "_")+".golden")
+	if *update {
+		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v (run with -update to create it)", err)
+	}
+	if got != string(want) {
+		t.Errorf("plan differs from %s:\n--- got\n%s--- want\n%s", path, got, want)
+	}
+}
+
+// TestPlanGolden drives scripted scenarios and records every plan, so that a
+// change in what a flush decides shows up as a golden-file diff.
+func TestPlanGolden(t *testing.T) {
+	cases := []struct {
+		name string
+		run  func(t *testing.T, e *Engine, log func(label string, p Plan))
+	}{
+		{"clean devices are skipped", func(t *testing.T, e *Engine, log func(string, Plan)) {
+			a, b := newDisk(e, "a.img"), newDisk(e, "b.img")
+			devs := []backing.Device{a.dev, b.dev, a.dev}
+			log("plan, nothing written", e.Plan(devs))
+			p, err := e.FlushPlan(devs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			log("flush", p)
+		}},
+		{"only the dirty device is synced", func(t *testing.T, e *Engine, log func(string, Plan)) {
+			a, b := newDisk(e, "a.img"), newDisk(e, "b.img")
+			a.write(t, 0, 1)
+			a.write(t, 512, 2)
+			devs := []backing.Device{a.dev, b.dev}
+			log("plan after 2 writes to a", e.Plan(devs))
+			p, err := e.FlushPlan(devs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			log("flush", p)
+			log("plan after the flush", e.Plan(devs))
+			b.write(t, 0, 3)
+			log("plan after a write to b", e.Plan(devs))
+		}},
+		{"group commit", func(t *testing.T, e *Engine, log func(string, Plan)) {
+			a := newDisk(e, "a.img")
+			devs := []backing.Device{a.dev}
+			entered, release := a.hold()
+			a.write(t, 0, 1)
+			a.write(t, 1, 2)
+			plans := make([]Plan, 5)
+			var wg sync.WaitGroup
+			flushAsync := func(i int) {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					p, err := e.FlushPlan(devs)
+					if err != nil {
+						t.Error(err)
+					}
+					plans[i] = p
+				}()
+			}
+			flushAsync(0) // F1 starts S1
+			<-entered
+			log("F2 arrives during S1, nothing new written", e.Plan(devs))
+			flushAsync(1)
+			waitRequested(e, "a.img", 2)
+			a.write(t, 2, 3)
+			log("F3 arrives after a write during S1", e.Plan(devs))
+			flushAsync(2)
+			waitRequested(e, "a.img", 3)
+			log("F4 arrives too", e.Plan(devs))
+			flushAsync(3)
+			waitRequested(e, "a.img", 4)
+			release()
+			wg.Wait()
+			for i, p := range plans[:4] {
+				log(fmt.Sprintf("F%d did", i+1), p)
+			}
+			log("F5 after all, nothing new written", e.Plan(devs))
+			s := devStats(e, "a.img")
+			if s.Syncs != 2 || s.Coalesced != 2 || a.faulty.Syncs() != 2 {
+				t.Errorf("stats %+v, device saw %d syncs; want 2 syncs, 2 coalesced", s, a.faulty.Syncs())
+			}
+		}},
+		{"untracked device", func(t *testing.T, e *Engine, log func(string, Plan)) {
+			a := newDisk(e, "a.img")
+			raw := backing.NewMem("raw.img", 4096)
+			p, err := e.FlushPlan([]backing.Device{a.dev, raw})
+			if err != nil {
+				t.Fatal(err)
+			}
+			log("flush", p)
+		}},
+		{"failed sync is sticky", func(t *testing.T, e *Engine, log func(string, Plan)) {
+			a, b := newDisk(e, "a.img"), newDisk(e, "b.img")
+			devs := []backing.Device{a.dev, b.dev}
+			a.write(t, 0, 1)
+			b.write(t, 0, 1)
+			a.faulty.FailSync(unix.EIO)
+			p, err := e.FlushPlan(devs)
+			if !errors.Is(err, unix.EIO) {
+				t.Fatalf("flush with failing sync: %v, want EIO", err)
+			}
+			log("flush with a failing", p)
+			a.faulty.FailSync(nil)
+			p, err = e.FlushPlan(devs)
+			if !errors.Is(err, ErrSyncFailed) || !errors.Is(err, unix.EIO) {
+				t.Fatalf("flush after failed sync: %v, want ErrSyncFailed wrapping EIO", err)
+			}
+			log("next flush", p)
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(strings.ReplaceAll(tc.name, " ", "_"), func(t *testing.T) {
+			var out strings.Builder
+			tc.run(t, New(), func(label string, p Plan) {
+				fmt.Fprintf(&out, "# %s\n%s\n", label, p)
+			})
+			golden(t, out.String())
+		})
+	}
+}
+
+// N concurrent flushes of a clean device issue no sync.
+func TestConcurrentFlushesCleanDevice(t *testing.T) {
+	e := New()
+	a, b := newDisk(e, "a.img"), newDisk(e, "b.img")
+	const n = 64
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := e.Flush([]backing.Device{a.dev, b.dev}); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if a.faulty.Syncs()+b.faulty.Syncs() != 0 {
+		t.Fatalf("clean devices saw %d+%d syncs, want 0", a.faulty.Syncs(), b.faulty.Syncs())
+	}
+	s := e.Stats()
+	if s.Flushes != n || s.Devices[0].SkippedClean != n || s.Devices[1].Requested != n {
+		t.Fatalf("stats %+v, want %d flushes all skipped clean", s, n)
+	}
+}
+
+// Flushes that arrive during a sync share at most one more sync, however
+// many there are and however many writes land meanwhile.
+func TestConcurrentFlushesDuringSync(t *testing.T) {
+	cases := []struct {
+		name         string
+		writeDuring  bool // a write completes during the first sync
+		wantSyncs    int
+		wantCoalesce uint64
+	}{
+		{"no write during sync: all join the running sync", false, 1, 32},
+		{"write during sync: all share one more sync", true, 2, 31},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			e := New()
+			a := newDisk(e, "a.img")
+			entered, release := a.hold()
+			a.write(t, 0, 1)
+			first := make(chan error)
+			go func() { first <- e.Flush([]backing.Device{a.dev}) }()
+			<-entered
+			if tc.writeDuring {
+				a.write(t, 1, 2)
+			}
+			var wg sync.WaitGroup
+			for i := range 32 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if i%2 == 0 {
+						_ = a.dev.Sync() // a direct Sync is a flush too
+						return
+					}
+					if err := e.Flush([]backing.Device{a.dev}); err != nil {
+						t.Error(err)
+					}
+				}()
+			}
+			waitRequested(e, "a.img", 33)
+			release()
+			if err := <-first; err != nil {
+				t.Fatal(err)
+			}
+			wg.Wait()
+			if got := a.faulty.Syncs(); got != tc.wantSyncs {
+				t.Errorf("device saw %d syncs, want %d", got, tc.wantSyncs)
+			}
+			s := devStats(e, "a.img")
+			if s.Coalesced != tc.wantCoalesce || s.Dirty || a.faulty.Pending() != 0 {
+				t.Errorf("stats %+v, pending %d; want %d coalesced, clean", s, a.faulty.Pending(), tc.wantCoalesce)
+			}
+		})
+	}
+}
+
+// A write that completes while a sync runs keeps the device dirty.
+func TestWriteDuringSyncStaysDirty(t *testing.T) {
+	e := New()
+	a := newDisk(e, "a.img")
+	entered, release := a.hold()
+	a.write(t, 0, 1)
+	done := make(chan error)
+	go func() { done <- e.Flush([]backing.Device{a.dev}) }()
+	<-entered
+	a.write(t, 1, 2)
+	release()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !devStats(e, "a.img").Dirty {
+		t.Fatal("device clean after a write landed during its sync")
+	}
+	if p := e.Plan([]backing.Device{a.dev}); p.Entries[0].Action != Sync {
+		t.Fatalf("next plan %v, want sync", p)
+	}
+	if err := e.Flush([]backing.Device{a.dev}); err != nil {
+		t.Fatal(err)
+	}
+	a.faulty.Crash()
+	got := make([]byte, 2)
+	a.inner.ReadAt(got, 0)
+	if !bytes.Equal(got, []byte{1, 2}) {
+		t.Fatalf("after crash %v, want [1 2]", got)
+	}
+}
+
+// TestRandomDurability runs writers on several devices, each owning a slot
+// of every device, flushing at random; after each flush the slot's last
+// value must already be on the inner device, i.e. survive a crash.
+func TestRandomDurability(t *testing.T) {
+	e := New()
+	var syncs atomic.Int64
+	e.Observe = func(string, time.Duration) { syncs.Add(1) }
+	disks := []*disk{newDisk(e, "a.img"), newDisk(e, "b.img"), newDisk(e, "c.img")}
+	devs := []backing.Device{disks[0].dev, disks[1].dev, disks[2].dev}
+	const workers, rounds = 8, 150
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			seed := uint32(w*7919 + 1)
+			next := func() uint32 { seed ^= seed << 13; seed ^= seed >> 17; seed ^= seed << 5; return seed }
+			last := make([]uint32, len(disks))
+			for r := range rounds {
+				d := int(next() % uint32(len(disks)))
+				v := uint32(w<<16 | r + 1)
+				var buf [4]byte
+				binary.LittleEndian.PutUint32(buf[:], v)
+				if _, err := disks[d].dev.WriteAt(buf[:], int64(w)*512); err != nil {
+					t.Error(err)
+					return
+				}
+				last[d] = v
+				if next()%3 != 0 {
+					continue
+				}
+				// Flush a random subset (FUA-like) or everything.
+				sub := devs
+				if next()%2 == 0 {
+					sub = []backing.Device{devs[d]}
+				}
+				if err := e.Flush(sub); err != nil {
+					t.Error(err)
+					return
+				}
+				for i, dk := range disks {
+					if !contains(sub, dk.dev) {
+						continue
+					}
+					dk.inner.ReadAt(buf[:], int64(w)*512)
+					if got := binary.LittleEndian.Uint32(buf[:]); got != last[i] {
+						t.Errorf("worker %d: %s slot holds %#x after flush, want %#x", w, dk.inner.Name(), got, last[i])
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	s := e.Stats()
+	var total uint64
+	for _, d := range s.Devices {
+		total += d.Syncs
+	}
+	if total != uint64(syncs.Load()) || total == 0 {
+		t.Fatalf("stats count %d syncs, Observe saw %d", total, syncs.Load())
+	}
+	var real int
+	for _, d := range disks {
+		real += d.faulty.Syncs()
+	}
+	if uint64(real) != total {
+		t.Fatalf("devices saw %d syncs, stats say %d", real, total)
+	}
+	t.Logf("%d flushes, %d syncs: %+v", s.Flushes, total, s.Devices)
+}
+
+func contains(devs []backing.Device, d backing.Device) bool {
+	for _, x := range devs {
+		if x == d {
+			return true
+		}
+	}
+	return false
+}
+
+func TestSyncEachIsUnconditional(t *testing.T) {
+	e := New()
+	a := newDisk(e, "a.img")
+	if err := e.SyncEach([]backing.Device{a.dev, a.dev, a.dev}); err != nil {
+		t.Fatal(err)
+	}
+	if a.faulty.Syncs() != 3 || devStats(e, "a.img").Syncs != 3 {
+		t.Fatalf("device saw %d syncs, stats %+v; want 3", a.faulty.Syncs(), devStats(e, "a.img"))
+	}
+}
+
+func TestTrackOnce(t *testing.T) {
+	e := New()
+	m := backing.NewMem("m", 4096)
+	w := e.Track(m)
+	if e.Track(m) != w || e.Track(w) != w {
+		t.Fatal("tracking the same device twice gave two wrappers")
+	}
+	if len(e.Stats().Devices) != 1 {
+		t.Fatalf("%d tracked devices, want 1", len(e.Stats().Devices))
+	}
+	// Discard and Zero dirty the device like writes do.
+	for name, op := range map[string]func() error{
+		"discard": func() error { return w.Discard(0, 4096) },
+		"zero":    func() error { return w.Zero(0, 4096, false) },
+	} {
+		if err := op(); err != nil {
+			t.Fatal(err)
+		}
+		if !devStats(e, "m").Dirty {
+			t.Fatalf("%s left the device clean", name)
+		}
+		if err := w.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		if devStats(e, "m").Dirty {
+			t.Fatalf("sync after %s left the device dirty", name)
+		}
+	}
+}
