@@ -84,11 +84,14 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 			return fail(ErrZeroLength)
 		}
 		if start != next {
-			what := "gap"
-			if start < next {
-				what = "overlap"
+			switch {
+			case len(lines) == 0:
+				return fail(fmt.Errorf("%w: the first line starts at %d, not 0", ErrGap, start))
+			case start > next:
+				return fail(fmt.Errorf("%w: starts at %d, leaving a gap after the previous line's end at %d", ErrGap, start, next))
+			default:
+				return fail(fmt.Errorf("%w: starts at %d, overlapping the previous line, which ends at %d", ErrGap, start, next))
 			}
-			return fail(fmt.Errorf("%w: %s: line starts at %d, previous line ended at %d", ErrGap, what, start, next))
 		}
 		if length > maxSector-start {
 			return fail(fmt.Errorf("%w: line ends past sector %d", ErrNumber, maxSector))

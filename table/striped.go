@@ -120,16 +120,17 @@ func (s *striped) Devices() []backing.Device { return s.devs }
 //	chunk_in_stripe = chunk / #stripes
 //	device offset   = stripe offset + chunk_in_stripe*chunk_size + off%chunk_size
 //
-// For example, `0 8 striped 2 2 a 0 b 100` (sectors):
+// For example, `0 8 striped 2 2 a 0 b 100`, in sectors:
 //
-//	virtual   0  1 | 2  3 | 4  5 | 6  7
-//	chunk       0  |   1  |   2  |   3
-//	stripe      a  |   b  |   a  |   b
-//	device    a0 a1|b100 b101|a2 a3|b102 b103
+//	virtual sector   0   1 | 2    3    | 4   5 | 6    7
+//	chunk              0   |     1     |   2   |     3
+//	stripe             a   |     b     |   a   |     b
+//	chunk in stripe    0   |     0     |   1   |     1
+//	device sector    a0  a1| b100 b101 | a2  a3| b102 b103
 //
-// Mapping sectors [1, 6) gives four extents: a[1,2) b[100,102) a[2,4)
-// b[102,103). Pieces that follow each other on the same stripe (only with
-// one stripe) are merged into one extent.
+// Mapping virtual sectors [1, 7) gives four extents: a[1,2) b[100,102)
+// a[2,4) b[102,103). Pieces that follow each other on the same stripe (only
+// with one stripe) are merged into one extent.
 func (s *striped) Map(off, n int64, emit func(Extent)) {
 	cb := s.chunk.Bytes()
 	nst := int64(len(s.stripes))
