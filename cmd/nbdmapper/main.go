@@ -30,14 +30,18 @@ import (
 const usage = `usage:
   nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [NAME=TABLE_FILE ...]
   nbdmapper check TABLE_FILE
+  nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
+  nbdmapper detach /dev/nbdX
 
 With no arguments at all, nbdmapper serves a built-in demo.
 `
 
 // commands maps subcommand names to their entry points.
 var commands = map[string]func(args []string) error{
-	"serve": runServe,
-	"check": runCheck,
+	"serve":  runServe,
+	"check":  runCheck,
+	"attach": runAttach,
+	"detach": runDetach,
 }
 
 func main() {
@@ -200,4 +204,3 @@ func listen(sf serveFlags) ([]net.Listener, error) {
 }
 
 func logStats(log *slog.Logger, f *flush.Engine, d *discard.Engine) {}
-

@@ -1,0 +1,282 @@
+package attach
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Kernel nbd ioctls, _IO(0xab, n) (include/uapi/linux/nbd.h).
+const (
+	ioctlSetSock       = 0xab00 // arg: socket fd
+	ioctlSetBlksize    = 0xab01 // arg: bytes
+	ioctlDoIt          = 0xab03 // blocks until disconnect
+	ioctlClearSock     = 0xab04
+	ioctlClearQue      = 0xab05
+	ioctlSetSizeBlocks = 0xab07 // arg: size in blocks
+	ioctlDisconnect    = 0xab08
+	ioctlSetTimeout    = 0xab09 // arg: seconds
+	ioctlSetFlags      = 0xab0a // arg: transmission flags
+)
+
+// Options say what to attach where.
+type Options struct {
+	Device  string // /dev/nbdX
+	Network string // "unix" or "tcp"
+	Addr    string // socket path or host:port
+	Export  string // export name; "" is the server's default
+
+	// Connections is how many sockets to give the kernel; more than one
+	// needs CAN_MULTI_CONN. Zero means one.
+	Connections int
+	// BlockSize is the logical block size, a power of two in 512..4096.
+	// Zero picks the server's preferred size clamped to that range, or
+	// 4096, halved until it divides the export size.
+	BlockSize int64
+	// Timeout is the kernel's per-request timeout; zero leaves the default.
+	Timeout time.Duration
+	// Ready, if set, is called once the kernel runs the device.
+	Ready func(Export)
+}
+
+// Attach connects opts.Export to opts.Device and serves it until the device
+// is disconnected (Detach, nbd-client -d) or ctx is cancelled, which
+// disconnects it. It returns nil after a requested disconnect.
+func Attach(ctx context.Context, opts Options) error {
+	n := max(opts.Connections, 1)
+	socks := make([]*os.File, 0, n)
+	defer func() {
+		for _, f := range socks {
+			f.Close()
+		}
+	}()
+	var x Export
+	for i := range n {
+		f, xi, err := dial(opts)
+		if err != nil {
+			return err
+		}
+		socks = append(socks, f)
+		if i == 0 {
+			x = xi
+			if n > 1 && x.Flags&FlagCanMultiConn == 0 {
+				return fmt.Errorf("%d connections to %q: %w", n, opts.Export, ErrMultiConn)
+			}
+		}
+	}
+	bs, err := blockSize(opts.BlockSize, x)
+	if err != nil {
+		return err
+	}
+	blocks := x.Size / uint64(bs)
+	if blocks == 0 {
+		return fmt.Errorf("export %q of %d bytes, block size %d: %w", opts.Export, x.Size, bs, ErrNoSize)
+	}
+
+	dev, err := os.OpenFile(opts.Device, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer dev.Close()
+	fd := int(dev.Fd())
+	steps := []struct {
+		name string
+		req  uint
+		arg  uintptr
+	}{
+		{"NBD_SET_BLKSIZE", ioctlSetBlksize, uintptr(bs)},
+		{"NBD_SET_SIZE_BLOCKS", ioctlSetSizeBlocks, uintptr(blocks)},
+		{"NBD_CLEAR_SOCK", ioctlClearSock, 0},
+		{"NBD_SET_FLAGS", ioctlSetFlags, uintptr(x.Flags)},
+	}
+	if opts.Timeout > 0 {
+		secs := max(uintptr(opts.Timeout/time.Second), 1)
+		steps = append(steps, struct {
+			name string
+			req  uint
+			arg  uintptr
+		}{"NBD_SET_TIMEOUT", ioctlSetTimeout, secs})
+	}
+	for _, s := range steps {
+		if err := ioctl(fd, s.req, s.arg); err != nil {
+			return fmt.Errorf("%s: %s: %w", opts.Device, s.name, err)
+		}
+	}
+	for _, f := range socks {
+		if err := ioctl(fd, ioctlSetSock, f.Fd()); err != nil {
+			ioctl(fd, ioctlClearSock, 0)
+			return fmt.Errorf("%s: NBD_SET_SOCK: %w", opts.Device, err)
+		}
+	}
+
+	done := make(chan error, 1)
+	go func() { done <- doIt(fd) }()
+	stopWatch := make(chan struct{})
+	defer close(stopWatch)
+	if opts.Ready != nil {
+		go func() {
+			if waitRunning(opts.Device, stopWatch) {
+				opts.Ready(x)
+			}
+		}()
+	}
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		ioctl(fd, ioctlDisconnect, 0)
+		err = <-done
+	}
+	// as nbd-client does after NBD_DO_IT returns
+	ioctl(fd, ioctlClearQue, 0)
+	ioctl(fd, ioctlClearSock, 0)
+	if err != nil {
+		return fmt.Errorf("%s: NBD_DO_IT: %w", opts.Device, err)
+	}
+	return nil
+}
+
+// doIt runs NBD_DO_IT on a thread with every signal blocked: the kernel
+// waits interruptibly and tears the device down when a signal arrives, and
+// the Go runtime signals threads freely (preemption, SIGCHLD, SIGINT).
+// The thread stays locked, so it exits with the goroutine instead of
+// carrying the mask back into the scheduler.
+func doIt(fd int) error {
+	runtime.LockOSThread()
+	var all unix.Sigset_t
+	for i := range all.Val {
+		all.Val[i] = ^uint64(0)
+	}
+	if err := unix.PthreadSigmask(unix.SIG_BLOCK, &all, nil); err != nil {
+		return fmt.Errorf("blocking signals: %w", err)
+	}
+	return ioctl(fd, ioctlDoIt, 0)
+}
+
+// Detach disconnects device: the kernel sends NBD_CMD_DISC once in-flight
+// requests are done, and the Attach holding the device returns.
+func Detach(device string) error {
+	dev, err := os.OpenFile(device, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer dev.Close()
+	fd := int(dev.Fd())
+	if !Running(device) {
+		return fmt.Errorf("%s: %w", device, ErrNotAttached)
+	}
+	if err := ioctl(fd, ioctlDisconnect, 0); err != nil {
+		return fmt.Errorf("%s: NBD_DISCONNECT: %w", device, err)
+	}
+	if err := ioctl(fd, ioctlClearSock, 0); err != nil {
+		return fmt.Errorf("%s: NBD_CLEAR_SOCK: %w", device, err)
+	}
+	return nil
+}
+
+// Running reports whether the kernel runs device, judged by the pid file
+// the nbd driver adds to sysfs while NBD_DO_IT (or a netlink connect) holds
+// it.
+func Running(device string) bool {
+	_, err := os.Stat(filepath.Join("/sys/block", filepath.Base(device), "pid"))
+	return err == nil
+}
+
+func waitRunning(device string, stop <-chan struct{}) bool {
+	for {
+		if Running(device) {
+			return true
+		}
+		select {
+		case <-stop:
+			return false
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// blockSize validates want, or picks one (see Options.BlockSize).
+func blockSize(want int64, x Export) (int64, error) {
+	ok := func(b int64) bool { return b >= 512 && b <= 4096 && b&(b-1) == 0 }
+	if want != 0 {
+		if !ok(want) {
+			return 0, fmt.Errorf("block size %d: %w", want, ErrBlockSize)
+		}
+		return want, nil
+	}
+	bs := int64(4096)
+	if p := int64(x.PrefBlock); ok(p) {
+		bs = p
+	}
+	for bs > 512 && x.Size%uint64(bs) != 0 {
+		bs /= 2
+	}
+	if m := int64(x.MinBlock); m > bs && ok(m) {
+		bs = m
+	}
+	return bs, nil
+}
+
+// dial opens one connection, negotiates the export and returns the socket
+// as a blocking file for NBD_SET_SOCK.
+func dial(opts Options) (*os.File, Export, error) {
+	network := opts.Network
+	if network == "" {
+		network = "unix"
+	}
+	c, err := net.Dial(network, opts.Addr)
+	if err != nil {
+		return nil, Export{}, err
+	}
+	defer c.Close() // the kernel gets a dup
+	x, err := Handshake(c, opts.Export)
+	if err != nil {
+		return nil, Export{}, fmt.Errorf("%s %s: %w", network, opts.Addr, err)
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+	}
+	fc, ok := c.(interface{ File() (*os.File, error) })
+	if !ok {
+		return nil, Export{}, fmt.Errorf("%s connections cannot be attached", network)
+	}
+	f, err := fc.File()
+	if err != nil {
+		return nil, Export{}, err
+	}
+	if err := unix.SetNonblock(int(f.Fd()), false); err != nil {
+		f.Close()
+		return nil, Export{}, err
+	}
+	return f, x, nil
+}
+
+func ioctl(fd int, req uint, arg uintptr) error {
+	_, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), uintptr(req), arg)
+	if e != 0 {
+		return e
+	}
+	return nil
+}
+
+// ParseAddr splits a --socket/--connect pair into a network and address.
+func ParseAddr(socket, connect string) (network, addr string, err error) {
+	switch {
+	case socket != "" && connect != "":
+		return "", "", fmt.Errorf("give --socket or --connect, not both")
+	case socket != "":
+		return "unix", socket, nil
+	case connect != "":
+		if !strings.Contains(connect, ":") {
+			connect += ":10809"
+		}
+		return "tcp", connect, nil
+	}
+	return "", "", fmt.Errorf("give --socket PATH or --connect HOST:PORT")
+}

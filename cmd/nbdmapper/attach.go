@@ -1,0 +1,78 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/attach"
+)
+
+const attachUsage = `usage:
+  nbdmapper attach [--connections N] [--block-size BYTES] [--timeout SECONDS]
+                   (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
+  nbdmapper detach /dev/nbdX
+
+attach stays in the foreground until the device is detached (nbdmapper detach,
+nbd-client -d) or it gets SIGINT/SIGTERM, which detaches it.
+`
+
+// runAttach connects an export to a kernel nbd device; see package attach.
+func runAttach(args []string) error {
+	fs := flag.NewFlagSet("attach", flag.ContinueOnError)
+	fs.Usage = func() { fmt.Fprint(fs.Output(), attachUsage); fs.PrintDefaults() }
+	socket := fs.String("socket", "", "connect to the server's unix socket PATH")
+	connect := fs.String("connect", "", "connect to the server at HOST:PORT (default port 10809)")
+	export := fs.String("export", "", "export name (default: the server's default export)")
+	conns := fs.Int("connections", 1, "sockets to give the kernel; more than 1 needs CAN_MULTI_CONN")
+	bs := fs.Int64("block-size", 0, "logical block size, a power of two in 512..4096 (default: the server's preferred, else 4096)")
+	timeout := fs.Int("timeout", 0, "kernel request timeout in seconds (0: the kernel's default)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		fs.Usage()
+		return flag.ErrHelp
+	}
+	network, addr, err := attach.ParseAddr(*socket, *connect)
+	if err != nil {
+		return err
+	}
+	dev := fs.Arg(0)
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	err = attach.Attach(ctx, attach.Options{
+		Device:      dev,
+		Network:     network,
+		Addr:        addr,
+		Export:      *export,
+		Connections: *conns,
+		BlockSize:   *bs,
+		Timeout:     time.Duration(*timeout) * time.Second,
+		Ready: func(x attach.Export) {
+			log.Info("attached", "device", dev, "export", *export, "bytes", x.Size,
+				"flags", fmt.Sprintf("%#x", x.Flags), "connections", *conns)
+		},
+	})
+	if err != nil {
+		return err
+	}
+	log.Info("detached", "device", dev)
+	return nil
+}
+
+// runDetach disconnects a kernel nbd device attached by nbdmapper attach or
+// nbd-client.
+func runDetach(args []string) error {
+	if len(args) != 1 {
+		fmt.Fprint(os.Stderr, attachUsage)
+		return flag.ErrHelp
+	}
+	return attach.Detach(args[0])
+}
