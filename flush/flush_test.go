@@ -436,3 +436,37 @@ func TestTrackOnce(t *testing.T) {
 		}
 	}
 }
+
+// noDSync hides a device's WriteAtDSync, forcing WriteFUA's write+flush path.
+type noDSync struct{ backing.Device }
+
+func TestWriteFUASurvivesCrash(t *testing.T) {
+	cases := []struct {
+		name      string
+		wrap      func(*backing.Faulty) backing.Device
+		wantSyncs uint64 // syncs the engine issued
+	}{
+		{"dsync device", func(f *backing.Faulty) backing.Device { return f }, 0},
+		{"write then flush", func(f *backing.Faulty) backing.Device { return noDSync{f} }, 1},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			e := New()
+			inner := backing.NewMem("a.img", 1<<16)
+			f := backing.NewFaulty(inner)
+			d := e.Track(tc.wrap(f))
+			if err := e.WriteFUA(d, []byte{1, 2, 3}, 100); err != nil {
+				t.Fatal(err)
+			}
+			f.Crash()
+			got := make([]byte, 3)
+			inner.ReadAt(got, 100)
+			if !bytes.Equal(got, []byte{1, 2, 3}) {
+				t.Fatalf("after crash %v, want [1 2 3]", got)
+			}
+			if s := devStats(e, "a.img"); s.Syncs != tc.wantSyncs || s.Dirty {
+				t.Fatalf("stats %+v, want %d syncs and clean", s, tc.wantSyncs)
+			}
+		})
+	}
+}

@@ -85,6 +85,11 @@ func (x *Export) Cache(off, n int64) error {
 // WriteAt writes p to the virtual device at off. With fua it returns only
 // once the written data is durable on every device it touched.
 func (x *Export) WriteAt(p []byte, off int64, fua bool) error {
+	if fua {
+		if handled, err := x.writeFUA(p, off); handled {
+			return err
+		}
+	}
 	var err error
 	var touched []backing.Device
 	x.Table.Map(off, int64(len(p)), func(e table.Extent) {
