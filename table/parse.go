@@ -49,7 +49,9 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 	sc.Buffer(make([]byte, 0, 64<<10), maxLineBytes)
 	devs := &devCache{open: open, m: make(map[string]devEntry)}
 	var (
-		lines  []Line
+		lines  = make([]Line, 0, 64)
+		done   [][]Line // full chunks of lines, before lines
+		count  int
 		next   Sector
 		bounds [][2]int
 		args   []string
@@ -65,7 +67,7 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 		if len(bounds) == 0 {
 			continue
 		}
-		if len(lines) == MaxTargets {
+		if count == MaxTargets {
 			return fail(fmt.Errorf("%w: more than %d", ErrTooMany, MaxTargets))
 		}
 		if len(bounds) < 3 {
@@ -85,7 +87,7 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 		}
 		if start != next {
 			switch {
-			case len(lines) == 0:
+			case count == 0:
 				return fail(fmt.Errorf("%w: the first line starts at %d, not 0", ErrGap, start))
 			case start > next:
 				return fail(fmt.Errorf("%w: starts at %d, leaving a gap after the previous line's end at %d", ErrGap, start, next))
@@ -114,7 +116,15 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 		if err != nil {
 			return fail(fmt.Errorf("%s: %w", name, err))
 		}
+		if len(lines) == cap(lines) && len(lines) > 0 {
+			// Fill fixed-size chunks and join them once at the end: growing
+			// one slice by append to a million lines allocates about five
+			// times the final size, chunks about twice.
+			done = append(done, lines)
+			lines = make([]Line, 0, min(2*cap(lines), 64<<10))
+		}
 		lines = append(lines, Line{Start: start, Length: length, Target: t})
+		count++
 		next = start + length
 	}
 	if err := sc.Err(); err != nil {
@@ -124,15 +134,24 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 		}
 		return fail(err)
 	}
-	if len(lines) == 0 {
+	if count == 0 {
 		return nil, &Error{File: file, Err: ErrEmpty}
 	}
-	return &Table{File: file, Lines: lines, size: next.Bytes()}, nil
+	if len(done) > 0 {
+		all := make([]Line, 0, count)
+		for _, c := range done {
+			all = append(all, c...)
+		}
+		lines = append(all, lines...)
+	}
+	return newTable(file, lines), nil
 }
 
-func isSpace(c byte) bool {
-	return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f'
-}
+// spaces marks the bytes that separate fields: space, tab, and the
+// carriage return of CRLF files, plus vertical tab and form feed.
+var spaces = [256]bool{' ': true, '\t': true, '\r': true, '\v': true, '\f': true}
+
+func isSpace(c byte) bool { return spaces[c] }
 
 // fields appends the [start, end) bounds of each field of line to dst and
 // stops at a field that starts with '#' (a comment). A '#' inside a field,

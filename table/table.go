@@ -83,10 +83,13 @@ type Line struct {
 }
 
 // Table is a parsed, validated table: lines in order, contiguous from 0.
+// Build it with Parse or New; Lines is read-only afterwards (Map searches an
+// index built from it).
 type Table struct {
 	File  string // where it was read from, for messages
 	Lines []Line
 	size  int64
+	ends  []int64 // ends[i] is the byte just past Lines[i], for Map's search
 }
 
 // New builds a table from contiguous lines. Parse validates as it reads;
@@ -112,7 +115,18 @@ func New(file string, lines []Line) (*Table, error) {
 		}
 		next = l.Start + l.Length
 	}
-	return &Table{File: file, Lines: lines, size: next.Bytes()}, nil
+	return newTable(file, lines), nil
+}
+
+// newTable wraps validated lines. The line ends get their own dense array
+// because Map's binary search touches one per step: 8 bytes per line
+// instead of a 32-byte Line keeps four times as many of them in cache.
+func newTable(file string, lines []Line) *Table {
+	ends := make([]int64, len(lines))
+	for i, l := range lines {
+		ends[i] = (l.Start + l.Length).Bytes()
+	}
+	return &Table{File: file, Lines: lines, ends: ends, size: ends[len(ends)-1]}
 }
 
 // Size is the virtual device size in bytes.
@@ -130,10 +144,10 @@ func (t *Table) Size() int64 { return t.size }
 func (t *Table) Map(off, n int64, emit func(Extent)) {
 	end := off + n
 	// First line whose end lies past off.
-	lo, hi := 0, len(t.Lines)
+	lo, hi := 0, len(t.ends)
 	for lo < hi {
 		m := int(uint(lo+hi) >> 1)
-		if l := &t.Lines[m]; (l.Start + l.Length).Bytes() > off {
+		if t.ends[m] > off {
 			hi = m
 		} else {
 			lo = m + 1
