@@ -36,8 +36,9 @@ type Server struct {
 	// Observe, if set, is called once per completed request (DISC excepted)
 	// with the export name, the op name (see Ops), the bytes transferred
 	// on success, the NBD errno sent (0 on success) and the time from
-	// decoding the request to queueing its reply. It runs on the request's
-	// worker and must be cheap and safe for concurrent use.
+	// decoding the request to its completion, just before the reply is
+	// written. It runs on the request's worker and must be cheap and safe
+	// for concurrent use.
 	Observe func(export, op string, bytes int64, errno uint32, d time.Duration)
 
 	initOnce sync.Once

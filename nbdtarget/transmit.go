@@ -187,10 +187,9 @@ func (c *conn) worker(j *job) {
 	}
 }
 
-// handle runs one request, replies, and accounts for it.
+// handle runs one request, accounts for it and replies.
 func (c *conn) handle(j *job) {
 	c.run(j)
-	c.reply(j)
 	d := time.Since(j.start)
 
 	r := &j.req
@@ -208,6 +207,9 @@ func (c *conn) handle(j *job) {
 	if obs := c.srv.Observe; obs != nil {
 		obs(c.x.Name, Ops[opIndex(r.Type)], n, j.errno, d)
 	}
+	// Counted before the reply leaves, so a client that has its reply
+	// sees it in Stats.
+	c.reply(j)
 	c.budget.release(j.cost)
 	putJob(j)
 	c.inflight.Done()

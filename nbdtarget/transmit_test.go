@@ -1,0 +1,471 @@
+package nbdtarget
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+// Layout of the "t" export, 64 KiB per line:
+//
+//	virtual  0K        64K      128K     192K          256K           320K       384K
+//	         | A @0    | zero   | error  | fail @0     | nozero @0    | gate @0  |
+//
+// fail's first 4 KiB fail every read and write; nozero has no native
+// zeroing; gate blocks reads at its offset 0 until released.
+const (
+	kb        = 1024
+	offA      = 0
+	offZero   = 64 * kb
+	offError  = 128 * kb
+	offFail   = 192 * kb
+	offNoZero = 256 * kb
+	offGate   = 320 * kb
+	sizeT     = 384 * kb
+)
+
+type tfix struct {
+	srv  *Server
+	sock string
+	a    *backing.Mem
+	gate *gateDev
+}
+
+func newTFix(t *testing.T, srv *Server) *tfix {
+	f := &tfix{a: backing.NewMem("a", 64*kb)}
+	f.gate = &gateDev{Device: backing.NewMem("g", 64*kb), at: 0, entered: make(chan struct{}), release: make(chan struct{})}
+	x := newExport(t, "t",
+		seg{len: 64 * kb, dev: f.a},
+		seg{len: 64 * kb, kind: table.KindZero},
+		seg{len: 64 * kb, kind: table.KindError},
+		seg{len: 64 * kb, dev: &failDev{Device: backing.NewMem("f", 64*kb), from: 0, to: 4 * kb}},
+		seg{len: 64 * kb, dev: noZeroDev{backing.NewMem("z", 64*kb)}},
+		seg{len: 64 * kb, dev: f.gate},
+	)
+	ro := newExport(t, "ro", seg{len: 64 * kb, dev: backing.NewMem("r", 64*kb)})
+	ro.ReadOnly = true
+	if srv == nil {
+		srv = &Server{}
+	}
+	srv.Exports = []*Export{x, ro}
+	f.srv = srv
+	f.sock = startServer(t, srv)
+	return f
+}
+
+func TestRequestErrors(t *testing.T) {
+	const over = MaxPayload + 1
+	big := make([]byte, over)
+	p512 := bytes.Repeat([]byte{0x5a}, 512)
+	tests := []struct {
+		name    string
+		export  string
+		typ     uint16
+		flags   uint16
+		off     uint64
+		length  uint32
+		payload []byte
+		want    uint32
+	}{
+		{"unknown command", "t", 42, 0, 0, 512, nil, EINVAL},
+		{"unknown flag", "t", cmdRead, 1 << 7, 0, 512, nil, EINVAL},
+		{"NO_HOLE on write", "t", cmdWrite, cfNoHole, 0, 512, p512, EINVAL},
+		{"DF without structured replies", "t", cmdRead, cfDF, 0, 512, nil, EINVAL},
+		{"REQ_ONE on read", "t", cmdRead, cfReqOne, 0, 512, nil, EINVAL},
+		{"read past end", "t", cmdRead, 0, sizeT - 256, 512, nil, EINVAL},
+		{"read at end", "t", cmdRead, 0, sizeT, 1, nil, EINVAL},
+		{"write past end", "t", cmdWrite, 0, sizeT - 256, 512, p512, ENOSPC},
+		{"write zeroes past end", "t", cmdWriteZeroes, 0, sizeT, 512, nil, ENOSPC},
+		{"trim past end", "t", cmdTrim, 0, sizeT - 512, 1024, nil, EINVAL},
+		{"cache past end", "t", cmdCache, 0, sizeT - 512, 1024, nil, EINVAL},
+		{"offset wraps around", "t", cmdRead, 0, ^uint64(0) - 10, 512, nil, EINVAL},
+		{"oversized read", "t", cmdRead, 0, 0, over, nil, EINVAL},
+		{"oversized write keeps the stream in sync", "t", cmdWrite, 0, 0, over, big, EINVAL},
+		{"oversized trim is range-checked, not refused", "t", cmdTrim, 0, 0, over, nil, EINVAL},
+		{"flush with a length", "t", cmdFlush, 0, 0, 512, nil, EINVAL},
+		{"block status without contexts", "t", cmdBlockStatus, 0, 0, 512, nil, EINVAL},
+		{"read error target", "t", cmdRead, 0, offError, 512, nil, EIO},
+		{"write error target", "t", cmdWrite, 0, offError + 512, 512, p512, EIO},
+		{"trim across error target", "t", cmdTrim, 0, offError - 512, 1024, nil, EIO},
+		{"read backing I/O error", "t", cmdRead, 0, offFail, 4096, nil, EIO},
+		{"write backing I/O error", "t", cmdWrite, cfFUA, offFail + 512, 512, p512, EIO},
+		{"fast zero without native zeroing", "t", cmdWriteZeroes, cfFastZero, offNoZero, 4096, nil, ENOTSUP},
+		{"slow zero without native zeroing", "t", cmdWriteZeroes, cfNoHole, offNoZero, 4096, nil, 0},
+		{"fast zero on a zero target", "t", cmdWriteZeroes, cfFastZero, offZero, 4096, nil, 0},
+		{"zero-length read", "t", cmdRead, 0, 100, 0, nil, 0},
+		{"zero-length write", "t", cmdWrite, 0, 100, 0, nil, 0},
+		{"zero-length trim", "t", cmdTrim, 0, 100, 0, nil, 0},
+		{"zero-length write zeroes at the end", "t", cmdWriteZeroes, 0, sizeT, 0, nil, 0},
+		{"zero-length cache", "t", cmdCache, 0, 0, 0, nil, 0},
+		{"FUA on read is accepted", "t", cmdRead, cfFUA, 0, 512, nil, 0},
+		{"cache", "t", cmdCache, 0, 0, offError, nil, 0},
+		{"cache over error target", "t", cmdCache, 0, offError, 512, nil, EIO},
+		{"write on read-only", "ro", cmdWrite, 0, 0, 512, p512, EPERM},
+		{"trim on read-only", "ro", cmdTrim, 0, 0, 512, nil, EPERM},
+		{"write zeroes on read-only", "ro", cmdWriteZeroes, cfFastZero, 0, 512, nil, EPERM},
+		{"flush on read-only", "ro", cmdFlush, 0, 0, 0, nil, 0},
+	}
+	f := newTFix(t, nil)
+	conns := map[string]*rawClient{"t": dialRaw(t, f.sock), "ro": dialRaw(t, f.sock)}
+	for name, c := range conns {
+		c.connect(name, false, false)
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			c := conns[tc.export]
+			c.t = t
+			h := uint64(1000 + i)
+			c.request(tc.typ, tc.flags, h, tc.off, tc.length, tc.payload)
+			dataLen := 0
+			if tc.typ == cmdRead && tc.want == 0 {
+				dataLen = int(tc.length)
+			}
+			gotH, errno, _ := c.simple(dataLen)
+			if gotH != h || errno != tc.want {
+				t.Fatalf("reply handle %d errno %d, want %d %d", gotH, errno, h, tc.want)
+			}
+			// The connection is still usable and in sync.
+			c.request(cmdRead, 0, h+1e6, 0, 512, nil)
+			if gotH, errno, _ := c.simple(512); gotH != h+1e6 || errno != 0 {
+				t.Fatalf("follow-up read: handle %d errno %d", gotH, errno)
+			}
+		})
+	}
+}
+
+func TestReadWriteRoundTrip(t *testing.T) {
+	f := newTFix(t, nil)
+	c := dialRaw(t, f.sock)
+	c.connect("", false, false)
+	data := bytes.Repeat([]byte("nbdmapper"), 1000)[:8000]
+	c.request(cmdWrite, cfFUA, 1, 1000, uint32(len(data)), data)
+	if _, e, _ := c.simple(0); e != 0 {
+		t.Fatalf("write errno %d", e)
+	}
+	got := make([]byte, len(data))
+	if _, err := f.a.ReadAt(got, 1000); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("backing device does not hold the written data (err %v)", err)
+	}
+	c.request(cmdRead, 0, 2, 1000, uint32(len(data)), nil)
+	if _, e, d := c.simple(len(data)); e != 0 || !bytes.Equal(d, data) {
+		t.Fatalf("read back errno %d, equal %v", e, bytes.Equal(d, data))
+	}
+	// Writes to a zero target are dropped; it still reads as zeros.
+	c.request(cmdWrite, 0, 3, offZero, 512, data[:512])
+	c.request(cmdRead, 0, 4, offZero, 512, nil)
+	c.simple(0)
+	if _, e, d := c.simple(512); e != 0 || !bytes.Equal(d, make([]byte, 512)) {
+		t.Fatalf("zero target read errno %d data %x...", e, d[:8])
+	}
+	// Trim and write zeroes make the range read as zeros.
+	for _, cmd := range []uint16{cmdWriteZeroes, cmdTrim} {
+		c.request(cmdWrite, 0, 5, 0, 4096, bytes.Repeat([]byte{1}, 4096))
+		c.request(cmdFlush, 0, 6, 0, 0, nil)
+		c.request(cmd, 0, 7, 0, 4096, nil)
+		for range 3 {
+			if _, e, _ := c.simple(0); e != 0 {
+				t.Fatalf("cmd %d errno %d", cmd, e)
+			}
+		}
+		c.request(cmdRead, 0, 8, 0, 4096, nil)
+		if _, _, d := c.simple(4096); !bytes.Equal(d, make([]byte, 4096)) {
+			t.Errorf("after command %d the range does not read as zeros", cmd)
+		}
+	}
+}
+
+func TestStructuredReplies(t *testing.T) {
+	f := newTFix(t, nil)
+	c := dialRaw(t, f.sock)
+	if flags := c.connect("t", true, true); flags&tfSendDF == 0 {
+		t.Fatalf("DF not advertised with structured replies: %#x", flags)
+	}
+	data := bytes.Repeat([]byte{0xab}, 4096)
+	c.request(cmdWrite, 0, 1, 0, 4096, data)
+	if r := c.any(); !r.simple || r.errno != 0 || r.handle != 1 {
+		t.Fatalf("write reply %+v", r)
+	}
+
+	t.Run("read is one OFFSET_DATA chunk", func(t *testing.T) {
+		c.t = t
+		for _, flags := range []uint16{0, cfDF} {
+			c.request(cmdRead, flags, 2, 512, 1024, nil)
+			ch := c.chunk()
+			if ch.handle != 2 || ch.typ != 1 || ch.flags != 1 || len(ch.payload) != 8+1024 {
+				t.Fatalf("chunk %d %d %d len %d", ch.handle, ch.typ, ch.flags, len(ch.payload))
+			}
+			if off := binary.BigEndian.Uint64(ch.payload); off != 512 || !bytes.Equal(ch.payload[8:], data[:1024]) {
+				t.Fatalf("offset %d or data wrong", off)
+			}
+		}
+	})
+	t.Run("zero-length read is NONE", func(t *testing.T) {
+		c.t = t
+		c.request(cmdRead, 0, 3, 0, 0, nil)
+		if ch := c.chunk(); ch.typ != 0 || ch.flags != 1 || len(ch.payload) != 0 {
+			t.Fatalf("chunk %+v", ch)
+		}
+	})
+	errTests := []struct {
+		name   string
+		typ    uint16
+		off    uint64
+		length uint32
+		errno  uint32
+		atOff  bool
+	}{
+		{"invalid read is ERROR", cmdRead, sizeT, 512, EINVAL, false},
+		{"failed read is ERROR_OFFSET at the failing line", cmdRead, offError - 512, 1024, EIO, true},
+		{"failed write is ERROR", cmdWrite, offError, 512, EIO, false},
+		{"invalid block status is ERROR", cmdBlockStatus, sizeT, 512, EINVAL, false},
+	}
+	for _, tc := range errTests {
+		t.Run(tc.name, func(t *testing.T) {
+			c.t = t
+			var payload []byte
+			if tc.typ == cmdWrite {
+				payload = make([]byte, tc.length)
+			}
+			c.request(tc.typ, 0, 4, tc.off, tc.length, payload)
+			ch := c.chunk()
+			errno, msg, off, err := chunkErrno(ch)
+			if err != nil || ch.flags != 1 || errno != tc.errno || msg == "" {
+				t.Fatalf("chunk type %#x flags %d errno %d msg %q err %v", ch.typ, ch.flags, errno, msg, err)
+			}
+			if got := ch.typ == 1<<15+2; got != tc.atOff || (tc.atOff && off != offError) {
+				t.Fatalf("chunk type %#x offset %d", ch.typ, off)
+			}
+		})
+	}
+	t.Run("block status", func(t *testing.T) {
+		c.t = t
+		type ext struct{ len, flags uint32 }
+		for _, tc := range []struct {
+			flags uint16
+			off   uint64
+			n     uint32
+			want  []ext
+		}{
+			// A's first 4 KiB hold data; the rest of A is a hole and merges
+			// with the zero target; the error line is data; fail, nozero
+			// and gate are holes.
+			{0, 0, sizeT, []ext{{4096, 0}, {124 * kb, 3}, {64 * kb, 0}, {192 * kb, 3}}},
+			{cfReqOne, 0, sizeT, []ext{{4096, 0}}},
+			{cfReqOne, 8192, sizeT - 8192, []ext{{120 * kb, 3}}},
+			{0, offError + 100, 100, []ext{{100, 0}}},
+		} {
+			c.request(cmdBlockStatus, tc.flags, 5, tc.off, tc.n, nil)
+			ch := c.chunk()
+			if ch.typ != 5 || ch.flags != 1 || binary.BigEndian.Uint32(ch.payload) != metaBaseID {
+				t.Fatalf("chunk %+v", ch)
+			}
+			var got []ext
+			for p := ch.payload[4:]; len(p) >= 8; p = p[8:] {
+				got = append(got, ext{binary.BigEndian.Uint32(p), binary.BigEndian.Uint32(p[4:])})
+			}
+			if len(got) != len(tc.want) {
+				t.Fatalf("off %d flags %d: extents %v, want %v", tc.off, tc.flags, got, tc.want)
+			}
+			for i := range got {
+				if got[i] != tc.want[i] {
+					t.Fatalf("off %d flags %d: extents %v, want %v", tc.off, tc.flags, got, tc.want)
+				}
+			}
+		}
+	})
+}
+
+type anyReply struct {
+	simple bool
+	handle uint64
+	errno  uint32
+	ch     chunk
+}
+
+// any reads one reply that carries no data: a simple reply or a chunk.
+func (c *rawClient) any() anyReply {
+	c.t.Helper()
+	m := c.read(4)
+	switch binary.BigEndian.Uint32(m) {
+	case 0x67446698:
+		h := c.read(12)
+		return anyReply{simple: true, errno: binary.BigEndian.Uint32(h), handle: binary.BigEndian.Uint64(h[4:])}
+	case 0x668e33ef:
+		h := c.read(16)
+		ch := chunk{flags: binary.BigEndian.Uint16(h), typ: binary.BigEndian.Uint16(h[2:]), handle: binary.BigEndian.Uint64(h[4:])}
+		ch.payload = c.read(int(binary.BigEndian.Uint32(h[12:])))
+		return anyReply{handle: ch.handle, ch: ch}
+	}
+	c.t.Fatalf("bad reply magic %x", m)
+	return anyReply{}
+}
+
+// TestOutOfOrder holds one read in its backing device and checks that a
+// later read is answered first.
+func TestOutOfOrder(t *testing.T) {
+	f := newTFix(t, nil)
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	c.request(cmdRead, 0, 1, offGate, 4096, nil)
+	<-f.gate.entered
+	for h := uint64(2); h < 6; h++ {
+		c.request(cmdRead, 0, h, offA, 4096, nil)
+	}
+	for want := uint64(2); want < 6; want++ {
+		if h, e, _ := c.simple(4096); e != 0 || h == 1 {
+			t.Fatalf("reply for handle %d errno %d before the blocked read was released", h, e)
+		}
+	}
+	close(f.gate.release)
+	if h, e, _ := c.simple(4096); h != 1 || e != 0 {
+		t.Fatalf("blocked read: handle %d errno %d", h, e)
+	}
+}
+
+// TestManyInFlight sends more requests than MaxInFlight without reading a
+// reply, then collects every reply.
+func TestManyInFlight(t *testing.T) {
+	f := newTFix(t, &Server{MaxInFlight: 8})
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	const n = 100
+	for i := range n {
+		c.request(cmdWrite, 0, uint64(i), uint64(i*512), 512, bytes.Repeat([]byte{byte(i)}, 512))
+	}
+	seen := map[uint64]bool{}
+	for range n {
+		h, e, _ := c.simple(0)
+		if e != 0 || seen[h] || h >= n {
+			t.Fatalf("reply handle %d errno %d (seen %v)", h, e, seen[h])
+		}
+		seen[h] = true
+	}
+	for i := range n {
+		b := make([]byte, 512)
+		f.a.ReadAt(b, int64(i*512))
+		if !bytes.Equal(b, bytes.Repeat([]byte{byte(i)}, 512)) {
+			t.Fatalf("block %d holds %x...", i, b[:4])
+		}
+	}
+}
+
+func TestDiscFinishesOutstanding(t *testing.T) {
+	f := newTFix(t, nil)
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	c.request(cmdRead, 0, 1, offGate, 512, nil)
+	<-f.gate.entered
+	c.request(cmdDisc, 0, 2, 0, 0, nil)
+	time.AfterFunc(10*time.Millisecond, func() { close(f.gate.release) })
+	if h, e, _ := c.simple(512); h != 1 || e != 0 {
+		t.Fatalf("outstanding read: handle %d errno %d", h, e)
+	}
+	if !c.closed() {
+		t.Fatal("connection open after DISC")
+	}
+}
+
+func TestBrokenStreamClosesOnlyItsConnection(t *testing.T) {
+	f := newTFix(t, nil)
+	good := dialRaw(t, f.sock)
+	good.connect("t", false, false)
+	for _, garbage := range [][]byte{
+		bytes.Repeat([]byte{0xff}, 28),                                 // bad request magic
+		encodeRequest(nil, request{Type: cmdWrite, Length: 4096})[:20], // then hang up mid-header
+	} {
+		bad := dialRaw(t, f.sock)
+		bad.connect("t", false, false)
+		bad.write(garbage)
+		if len(garbage) == 28 && !bad.closed() {
+			t.Fatal("connection with a bad request magic still open")
+		}
+		bad.nc.Close()
+		good.request(cmdRead, 0, 9, 0, 512, nil)
+		if h, e, _ := good.simple(512); h != 9 || e != 0 {
+			t.Fatalf("other connection: handle %d errno %d", h, e)
+		}
+	}
+}
+
+func TestShutdownFinishesInFlight(t *testing.T) {
+	f := newTFix(t, nil)
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	idle := dialRaw(t, f.sock)
+	idle.greet(3) // stuck in the handshake
+	c.request(cmdRead, 0, 1, offGate, 512, nil)
+	<-f.gate.entered
+	done := make(chan error)
+	go func() { done <- f.srv.Shutdown(context.Background()) }()
+	time.AfterFunc(10*time.Millisecond, func() { close(f.gate.release) })
+	if h, e, _ := c.simple(512); h != 1 || e != 0 {
+		t.Fatalf("in-flight read: handle %d errno %d", h, e)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if !c.closed() || !idle.closed() {
+		t.Fatal("connections open after Shutdown")
+	}
+}
+
+func TestStatsAndObserve(t *testing.T) {
+	var mu sync.Mutex
+	type obs struct {
+		export, op string
+		bytes      int64
+		errno      uint32
+	}
+	var seen []obs
+	f := newTFix(t, &Server{Observe: func(export, op string, n int64, errno uint32, d time.Duration) {
+		mu.Lock()
+		seen = append(seen, obs{export, op, n, errno})
+		mu.Unlock()
+	}})
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	c.request(cmdWrite, 0, 1, 0, 4096, make([]byte, 4096))
+	c.simple(0)
+	c.request(cmdRead, 0, 2, 0, 4096, nil)
+	c.simple(4096)
+	c.request(cmdRead, 0, 3, sizeT, 4096, nil)
+	c.simple(0)
+	c.request(cmdFlush, 0, 4, 0, 0, nil)
+	c.simple(0)
+
+	st := f.srv.Stats()
+	if len(st.Exports) != 2 || st.Exports[0].Name != "t" {
+		t.Fatalf("exports %+v", st.Exports)
+	}
+	x := st.Exports[0]
+	if x.Connections != 1 || x.ConnectionsTotal != 1 || x.InFlight != 0 {
+		t.Errorf("connections %d total %d in flight %d", x.Connections, x.ConnectionsTotal, x.InFlight)
+	}
+	r, w, fl := x.Ops["read"], x.Ops["write"], x.Ops["flush"]
+	if r.Requests != 2 || r.Bytes != 4096 || len(r.Errors) != 1 || r.Errors[EINVAL] != 1 {
+		t.Errorf("read stats %+v", r)
+	}
+	if w.Requests != 1 || w.Bytes != 4096 || w.Errors != nil || w.Duration <= 0 {
+		t.Errorf("write stats %+v", w)
+	}
+	if fl.Requests != 1 || len(x.Ops) != 3 {
+		t.Errorf("flush stats %+v, ops %v", fl, x.Ops)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	want := []obs{{"t", "write", 4096, 0}, {"t", "read", 4096, 0}, {"t", "read", 0, EINVAL}, {"t", "flush", 0, 0}}
+	if len(seen) != len(want) {
+		t.Fatalf("observed %v", seen)
+	}
+	for i := range want {
+		if seen[i] != want[i] {
+			t.Errorf("observation %d = %v, want %v", i, seen[i], want[i])
+		}
+	}
+}
