@@ -38,7 +38,7 @@ func TestParseWithPool(t *testing.T) {
 	if got := len(tb.Devices()); got != 2 {
 		t.Errorf("Devices: %d, want 2 (d0 through two paths, d1)", got)
 	}
-	if got := strings.Fields(tb.String())[13]; got != link {
+	if got := strings.Fields(tb.String())[8]; got != link {
 		t.Errorf("String keeps the path as given: got %q, want %q", got, link)
 	}
 	if d := sameTable(tb, mustParse(t, tb.String(), pool)); d != "" {
