@@ -1,74 +1,443 @@
-// Package discard turns TRIM and WRITE_ZEROES requests into the fewest,
-// best-ordered calls on each backing device: ranges are collected per device,
-// sorted ascending, merged and issued as a batch.
-//
-//	client -> nbdtarget -> table -> flush / discard -> backing
-//
-// PLACEHOLDER: issues each range at once; issue 4 replaces the internals
-// (sorting, merging, alignment, cross-request coalescing, plans, stats)
-// behind the same API.
 package discard
 
 import (
 	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 )
 
-// Extent is a byte range on one backing device.
-type Extent struct {
-	Dev      backing.Device
-	Off, Len int64
-}
+// Defaults New gives an Engine.
+const (
+	DefaultWindow    = time.Millisecond
+	DefaultMaxRanges = 4096
+	DefaultMaxBytes  = 1 << 30
+)
 
 // Engine plans and issues discards and zeroing. One Engine is shared by
-// every connection and export of a server.
-type Engine struct{}
+// every connection and export of a server, so that trims from all of them
+// coalesce per device.
+//
+// The exported fields may be changed after New, but only before first use.
+type Engine struct {
+	// Window is how long the first trim of a batch waits for others to join
+	// it. 0 issues each trim's own plan at once.
+	Window time.Duration
+	// MaxRanges and MaxBytes bound a batch: the trim that reaches either
+	// issues the batch without waiting for the window to end.
+	MaxRanges int
+	MaxBytes  int64
+	// Baseline issues every mapped range at once, in arrival order, without
+	// sorting, merging, aligning or batching. Benchmark baseline only.
+	Baseline bool
+	// Observe, if set, is called after each device call with the device
+	// name, "discard" or "zero", and how long the call took.
+	Observe func(device, op string, d time.Duration)
+
+	mu      sync.Mutex
+	batch   *batch // gathering trims; nil if none
+	devs    map[backing.Device]*device
+	order   []*device
+	pending atomic.Bool // batch != nil, or something is in flight: Claim's fast path
+	flying  int         // in-flight device plans, guarded by mu
+}
+
+// device is the engine's state for one backing device.
+type device struct {
+	dev       backing.Device
+	noDiscard atomic.Bool    // Discard returned ErrNotSupported once
+	noZero    [2]atomic.Bool // Zero returned ErrNotSupported, by mayPunch
+	stats     counters
+
+	// Guarded by Engine.mu.
+	gathering *pending    // this device's part of the gathering batch
+	lo, hi    int64       // bounds of gathering.in
+	inflight  []*inflight // issued discard plans not yet complete
+}
+
+// inflight is one device's issued discard calls. Claim waits for those it
+// overlaps, so a write never lands before a discard that was already issued
+// and is then undone by it.
+type inflight struct {
+	calls []backing.Range // ascending
+	done  chan struct{}
+}
+
+// batch is the trims gathered within one window.
+type batch struct {
+	devs   []*device
+	ranges int
+	bytes  int64
+	timer  *time.Timer
+	sealed bool
+	done   chan struct{}
+	errs   map[*device]error // set before done is closed
+}
 
 // New returns an engine with default settings.
-func New() *Engine { return &Engine{} }
+func New() *Engine {
+	return &Engine{Window: DefaultWindow, MaxRanges: DefaultMaxRanges, MaxBytes: DefaultMaxBytes}
+}
+
+func (e *Engine) device(d backing.Device) *device {
+	if st := e.devs[d]; st != nil {
+		return st
+	}
+	if e.devs == nil {
+		e.devs = make(map[backing.Device]*device)
+	}
+	st := &device{dev: d}
+	e.devs[d] = st
+	e.order = append(e.order, st)
+	return st
+}
 
 // Discard deallocates the extents (advisory: a device that cannot discard is
-// skipped). It returns when every device call has completed.
+// skipped). It returns when every device call covering them has completed,
+// with the errors of the devices they are on.
 func (e *Engine) Discard(exts []Extent) error {
+	if e.Baseline {
+		return e.discardEach(exts)
+	}
+	if !slices.ContainsFunc(exts, func(x Extent) bool { return x.Len > 0 }) {
+		return nil
+	}
+	if e.Window <= 0 {
+		e.mu.Lock()
+		devs := group(exts)
+		sts := make([]*device, len(devs))
+		for i, p := range devs {
+			sts[i] = e.device(p.dev)
+			sts[i].stats.received(p.in)
+		}
+		errs := e.launch(plan(OpDiscard, devs), sts)
+		return joinErrs(sts, errs)
+	}
+
+	e.mu.Lock()
+	b := e.batch
+	if b == nil {
+		b = &batch{done: make(chan struct{})}
+		e.batch = b
+		e.pending.Store(true)
+		b.timer = time.AfterFunc(e.Window, func() { e.seal(b) })
+	}
+	var mine []*device
 	for _, x := range exts {
-		if err := x.Dev.Discard(x.Off, x.Len); err != nil && !errors.Is(err, backing.ErrNotSupported) {
+		if x.Len <= 0 {
+			continue
+		}
+		st := e.device(x.Dev)
+		g := st.gathering
+		if g == nil {
+			g = &pending{dev: x.Dev}
+			st.gathering = g
+			st.lo, st.hi = x.Off, x.Off+x.Len
+			b.devs = append(b.devs, st)
+		}
+		r := backing.Range{Off: x.Off, Len: x.Len}
+		g.in = append(g.in, r)
+		st.lo, st.hi = min(st.lo, r.Off), max(st.hi, r.End())
+		st.stats.received([]backing.Range{r})
+		b.ranges++
+		b.bytes += x.Len
+		mine = appendUnique(mine, st)
+	}
+	full := b.ranges >= e.MaxRanges || b.bytes >= e.MaxBytes
+	e.mu.Unlock()
+
+	if full {
+		e.seal(b)
+	}
+	<-b.done
+	return joinErrs(mine, func(st *device) error { return b.errs[st] })
+}
+
+// seal closes batch b to new trims and issues it; the first caller does the
+// work, later ones (the timer after a full batch) return at once.
+func (e *Engine) seal(b *batch) {
+	e.mu.Lock()
+	if b.sealed {
+		e.mu.Unlock()
+		return
+	}
+	b.sealed = true
+	b.timer.Stop()
+	e.batch = nil
+	devs := make([]*pending, len(b.devs))
+	for i, st := range b.devs {
+		devs[i] = st.gathering
+		st.gathering = nil
+	}
+	wait := e.launch(plan(OpDiscard, devs), b.devs)
+	errs := make(map[*device]error)
+	for _, st := range b.devs {
+		if err := wait(st); err != nil {
+			errs[st] = err
+		}
+	}
+	b.errs = errs
+	close(b.done)
+}
+
+// launch registers plan p's device calls as in flight, unlocks e.mu, issues
+// them (devices concurrently, each device's calls in ascending order) and
+// returns a function that waits for one device. sts[i] is p.Devices[i]'s state.
+// Registering under the same lock that took the ranges out of the gathering
+// batch leaves no moment in which a Claim could miss them.
+func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
+	type job struct {
+		fl  *inflight
+		err error
+	}
+	jobs := make(map[*device]*job, len(sts))
+	for i, st := range sts {
+		dp := p.Devices[i]
+		st.stats.mergedAway.Add(uint64(dp.MergedAway()))
+		j := &job{fl: &inflight{calls: dp.Calls, done: make(chan struct{})}}
+		jobs[st] = j
+		if len(dp.Calls) > 0 {
+			st.inflight = append(st.inflight, j.fl)
+			e.flying++
+		}
+	}
+	e.pending.Store(e.batch != nil || e.flying > 0)
+	e.mu.Unlock()
+
+	for i, st := range sts {
+		j := jobs[st]
+		run := func() {
+			j.err = e.discardCalls(st, p.Devices[i].Calls)
+			e.mu.Lock()
+			if len(p.Devices[i].Calls) > 0 {
+				st.inflight = removeInflight(st.inflight, j.fl)
+				e.flying--
+			}
+			e.pending.Store(e.batch != nil || e.flying > 0)
+			e.mu.Unlock()
+			close(j.fl.done)
+		}
+		if i == len(sts)-1 {
+			run() // the last device on this goroutine
+		} else {
+			go run()
+		}
+	}
+	return func(st *device) error {
+		j := jobs[st]
+		if j == nil {
+			return nil
+		}
+		<-j.fl.done
+		return j.err
+	}
+}
+
+// discardCalls issues calls on one device in order. A device that reports
+// ErrNotSupported is remembered and skipped from then on; the first other
+// error stops the device's remaining calls.
+func (e *Engine) discardCalls(st *device, calls []backing.Range) error {
+	for i, r := range calls {
+		if st.noDiscard.Load() {
+			st.stats.unsupported.Add(uint64(len(calls) - i))
+			return nil
+		}
+		err := e.call(st, "discard", func() error { return st.dev.Discard(r.Off, r.Len) })
+		switch {
+		case errors.Is(err, backing.ErrNotSupported):
+			st.noDiscard.Store(true)
+			st.stats.unsupported.Add(1)
+		case err != nil:
+			st.stats.errors.Add(1)
+			return fmt.Errorf("discard %s %d+%d: %w", st.dev.Name(), r.Off, r.Len, err)
+		default:
+			st.stats.bytesOut.Add(uint64(r.Len))
+		}
+	}
+	return nil
+}
+
+// discardEach is the baseline: every range at once, in arrival order.
+func (e *Engine) discardEach(exts []Extent) error {
+	for _, x := range exts {
+		e.mu.Lock()
+		st := e.device(x.Dev)
+		e.mu.Unlock()
+		st.stats.received([]backing.Range{{Off: x.Off, Len: x.Len}})
+		if err := e.discardCalls(st, []backing.Range{{Off: x.Off, Len: x.Len}}); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// call runs one device call, counting and timing it.
+func (e *Engine) call(st *device, op string, fn func() error) error {
+	if op == "zero" {
+		st.stats.zeroCalls.Add(1)
+	} else {
+		st.stats.calls.Add(1)
+	}
+	t0 := time.Now()
+	err := fn()
+	if e.Observe != nil {
+		e.Observe(st.dev.Name(), op, time.Since(t0))
+	}
+	return err
+}
+
+// Claim removes [off, off+n) on dev from the trims still gathering, and waits
+// for issued discards that overlap it. The write and write-zeroes paths call
+// it before they touch a device, so that a write is never undone by a trim
+// the engine holds: the trim either never covers the written range or has
+// finished before the write starts. (A trim that arrives after the Claim is
+// concurrent with the write, and NBD leaves their order to the server.)
+func (e *Engine) Claim(dev backing.Device, off, n int64) {
+	if n <= 0 || !e.pending.Load() {
+		return
+	}
+	end := off + n
+	var wait []chan struct{}
+	e.mu.Lock()
+	st := e.devs[dev]
+	if st == nil {
+		e.mu.Unlock()
+		return
+	}
+	if st.gathering != nil && off < st.hi && st.lo < end {
+		st.gathering.claimed = append(st.gathering.claimed, backing.Range{Off: off, Len: n})
+	}
+	for _, fl := range st.inflight {
+		if overlaps(fl.calls, off, end) {
+			wait = append(wait, fl.done)
+		}
+	}
+	e.mu.Unlock()
+	for _, c := range wait {
+		<-c
+	}
+}
+
+// overlaps reports whether ascending, disjoint rs touch [off, end).
+func overlaps(rs []backing.Range, off, end int64) bool {
+	lo, hi := 0, len(rs)
+	for lo < hi { // first range ending after off
+		m := (lo + hi) / 2
+		if rs[m].End() <= off {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	return lo < len(rs) && rs[lo].Off < end
 }
 
 // Zero makes the extents read back as zeros. mayPunch allows deallocation
 // (NBD_CMD_WRITE_ZEROES without NO_HOLE). With fast, a device without a fast
 // native zeroing method fails with backing.ErrNotSupported instead of having
-// zeros written.
+// zeros written; a device already known to lack one fails the request before
+// any device is touched.
 func (e *Engine) Zero(exts []Extent, mayPunch, fast bool) error {
-	for _, x := range exts {
-		err := x.Dev.Zero(x.Off, x.Len, mayPunch)
-		if errors.Is(err, backing.ErrNotSupported) && !fast {
-			err = writeZeros(x)
+	p := PlanZero(exts)
+	punch := 0
+	if mayPunch {
+		punch = 1
+	}
+	e.mu.Lock()
+	sts := make([]*device, len(p.Devices))
+	for i, dp := range p.Devices {
+		sts[i] = e.device(dp.Dev)
+	}
+	e.mu.Unlock()
+	for i, st := range sts {
+		st.stats.zeroRangesIn.Add(uint64(len(p.Devices[i].In)))
+		if fast && st.noZero[punch].Load() {
+			return fmt.Errorf("zero %s: %w", st.dev.Name(), backing.ErrNotSupported)
 		}
-		if err != nil {
-			return err
+	}
+
+	errs := make([]error, len(sts))
+	var wg sync.WaitGroup
+	for i, st := range sts {
+		run := func() {
+			for _, r := range p.Devices[i].Calls {
+				if errs[i] = e.zero(st, r, punch, fast); errs[i] != nil {
+					return
+				}
+			}
 		}
+		if i == len(sts)-1 {
+			run()
+			continue
+		}
+		wg.Add(1)
+		go func() { defer wg.Done(); run() }()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func (e *Engine) zero(st *device, r backing.Range, punch int, fast bool) error {
+	err := backing.ErrNotSupported
+	if !st.noZero[punch].Load() {
+		err = e.call(st, "zero", func() error { return st.dev.Zero(r.Off, r.Len, punch == 1) })
+		if errors.Is(err, backing.ErrNotSupported) {
+			st.noZero[punch].Store(true)
+		}
+	}
+	if errors.Is(err, backing.ErrNotSupported) && !fast {
+		err = writeZeros(st.dev, r)
+	}
+	if err != nil {
+		if !errors.Is(err, backing.ErrNotSupported) {
+			st.stats.errors.Add(1)
+		}
+		return fmt.Errorf("zero %s %d+%d: %w", st.dev.Name(), r.Off, r.Len, err)
 	}
 	return nil
 }
 
-// Claim removes [off, off+n) on dev from any discard that is still pending,
-// so that a write which arrived after a trim is never undone by it.
-func (e *Engine) Claim(dev backing.Device, off, n int64) {}
-
-func writeZeros(x Extent) error {
+func writeZeros(d backing.Device, r backing.Range) error {
 	const chunk = 1 << 20
-	buf := make([]byte, min(chunk, x.Len))
-	for off := x.Off; off < x.Off+x.Len; {
-		n := min(int64(len(buf)), x.Off+x.Len-off)
-		if _, err := x.Dev.WriteAt(buf[:n], off); err != nil {
+	buf := make([]byte, min(chunk, r.Len))
+	for off := r.Off; off < r.End(); {
+		n := min(int64(len(buf)), r.End()-off)
+		if _, err := d.WriteAt(buf[:n], off); err != nil {
 			return err
 		}
 		off += n
 	}
 	return nil
+}
+
+func joinErrs(sts []*device, errOf func(*device) error) error {
+	var errs []error
+	for _, st := range sts {
+		if err := errOf(st); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func appendUnique(sts []*device, st *device) []*device {
+	for _, have := range sts {
+		if have == st {
+			return sts
+		}
+	}
+	return append(sts, st)
+}
+
+func removeInflight(fls []*inflight, fl *inflight) []*inflight {
+	for i, f := range fls {
+		if f == fl {
+			return append(fls[:i], fls[i+1:]...)
+		}
+	}
+	return fls
 }

@@ -1,0 +1,340 @@
+package discard
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+)
+
+// Extent is a byte range on one backing device.
+type Extent struct {
+	Dev      backing.Device
+	Off, Len int64
+}
+
+// Op is what a plan does to its ranges.
+type Op uint8
+
+const (
+	// OpDiscard deallocates; advisory, so ranges are cut to the device's
+	// granularity and split at its maximum.
+	OpDiscard Op = iota
+	// OpZero makes ranges read back as zeros; exact, so ranges are only
+	// sorted and merged.
+	OpZero
+)
+
+func (o Op) String() string {
+	if o == OpZero {
+		return "zero"
+	}
+	return "discard"
+}
+
+// Plan is the device work for one batch of requests: per device, the ranges
+// that came in and the calls that will reach the device. It is a plain value:
+// build it with PlanDiscard or PlanZero, print it, compare it.
+type Plan struct {
+	Op      Op
+	Devices []DevicePlan // in order of first appearance in the input
+}
+
+// DevicePlan is one device's part of a Plan.
+type DevicePlan struct {
+	Dev     backing.Device
+	Limits  backing.Limits  // the device's limits when the plan was made
+	In      []backing.Range // ranges received, in arrival order
+	Claimed []backing.Range // ranges written since they arrived (merged), never discarded
+	Merged  []backing.Range // In sorted, merged, minus Claimed
+	Calls   []backing.Range // what reaches the device, ascending
+}
+
+// MergedAway is how many received ranges disappeared into a neighbour.
+func (d DevicePlan) MergedAway() int { return max(len(d.In)-len(Merge(d.In)), 0) }
+
+// PlanDiscard plans a discard of exts: per device, sorted, merged, cut
+// inward to the device's granularity and split at its maximum size.
+func PlanDiscard(exts []Extent) Plan { return plan(OpDiscard, group(exts)) }
+
+// PlanZero plans zeroing exts: per device, sorted and merged, nothing cut,
+// because the whole range must read back as zeros.
+func PlanZero(exts []Extent) Plan { return plan(OpZero, group(exts)) }
+
+// pending is one device's ranges while a plan is being gathered.
+type pending struct {
+	dev         backing.Device
+	in, claimed []backing.Range
+}
+
+func group(exts []Extent) []*pending {
+	var out []*pending
+	byDev := make(map[backing.Device]*pending)
+	for _, x := range exts {
+		if x.Len <= 0 {
+			continue
+		}
+		p := byDev[x.Dev]
+		if p == nil {
+			p = &pending{dev: x.Dev}
+			byDev[x.Dev] = p
+			out = append(out, p)
+		}
+		p.in = append(p.in, backing.Range{Off: x.Off, Len: x.Len})
+	}
+	return out
+}
+
+func plan(op Op, devs []*pending) Plan {
+	p := Plan{Op: op}
+	for _, d := range devs {
+		dp := DevicePlan{
+			Dev:     d.dev,
+			Limits:  d.dev.Limits(),
+			In:      d.in,
+			Claimed: Merge(d.claimed),
+		}
+		dp.Merged = Subtract(Merge(d.in), dp.Claimed)
+		if op == OpDiscard {
+			dp.Calls = Align(dp.Merged, dp.Limits)
+		} else {
+			dp.Calls = dp.Merged
+		}
+		p.Devices = append(p.Devices, dp)
+	}
+	return p
+}
+
+// Merge returns rs sorted ascending with overlapping and adjacent ranges
+// joined and empty ones dropped. rs is not modified.
+//
+//	in        [---)  [----)
+//	             [-----)      [--)
+//	merged    [----------)    [--)
+func Merge(rs []backing.Range) []backing.Range {
+	s := make([]backing.Range, 0, len(rs))
+	for _, r := range rs {
+		if r.Len > 0 {
+			s = append(s, r)
+		}
+	}
+	slices.SortFunc(s, func(a, b backing.Range) int { return cmp.Compare(a.Off, b.Off) })
+	out := s[:0]
+	for _, r := range s {
+		if k := len(out) - 1; k >= 0 && r.Off <= out[k].End() {
+			out[k].Len = max(out[k].End(), r.End()) - out[k].Off
+			continue
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// Subtract returns rs without the bytes in cut. Both must be merged
+// (sorted, disjoint); so is the result.
+//
+//	rs        [--------------)   [----)
+//	cut          [--)    [---------)
+//	result    [--)  [----)         [--)
+func Subtract(rs, cut []backing.Range) []backing.Range {
+	if len(cut) == 0 {
+		return rs
+	}
+	var out []backing.Range
+	j := 0
+	for _, r := range rs {
+		off, end := r.Off, r.End()
+		for j < len(cut) && cut[j].End() <= off {
+			j++
+		}
+		for k := j; k < len(cut) && cut[k].Off < end; k++ {
+			if cut[k].Off > off {
+				out = append(out, backing.Range{Off: off, Len: cut[k].Off - off})
+			}
+			off = max(off, cut[k].End())
+		}
+		if off < end {
+			out = append(out, backing.Range{Off: off, Len: end - off})
+		}
+	}
+	return out
+}
+
+// Align cuts each of rs inward to multiples of lim.Granularity, dropping
+// what becomes empty, and splits the rest into pieces of at most
+// lim.MaxBytes (rounded down to the granularity). Shrinking is allowed
+// because a discard is advisory; it is why merging comes first: two
+// adjacent half-granule ranges are discarded once merged, and lost if cut
+// one by one.
+//
+//	granule  |...|...|...|...| 
+//	merged    [--------]  [-]   1+10 13+3
+//	aligned      [--]           4+4     (granularity 4)
+//	merged   [--------------]   0+16
+//	aligned  [--][--][--][--]   0+4 4+4 8+4 12+4  (granularity 4, MaxBytes 4..7)
+func Align(rs []backing.Range, lim backing.Limits) []backing.Range {
+	g := max(lim.Granularity, 1)
+	step := int64(0)
+	if lim.MaxBytes > 0 {
+		step = max(lim.MaxBytes/g*g, g)
+	}
+	var out []backing.Range
+	for _, r := range rs {
+		off := (r.Off + g - 1) / g * g
+		end := r.End() / g * g
+		for off < end {
+			n := end - off
+			if step > 0 {
+				n = min(n, step)
+			}
+			out = append(out, backing.Range{Off: off, Len: n})
+			off += n
+		}
+	}
+	return out
+}
+
+// Bytes is the total length of rs.
+func Bytes(rs []backing.Range) int64 {
+	var n int64
+	for _, r := range rs {
+		n += r.Len
+	}
+	return n
+}
+
+// String prints the plan, one block per device, drawing the ranges as ASCII
+// when they fit on a line (one column per unit, a power of two dividing
+// every offset): `[` starts a range, `]` ends it, `#` is a one-unit range.
+func (p Plan) String() string {
+	var b strings.Builder
+	for i, d := range p.Devices {
+		if i > 0 {
+			b.WriteByte('\n')
+		}
+		d.write(&b, p.Op)
+	}
+	return b.String()
+}
+
+const (
+	drawWidth = 64 // widest drawing, in units
+	listMax   = 8  // longest range list printed in full
+)
+
+func (d DevicePlan) write(b *strings.Builder, op Op) {
+	fmt.Fprintf(b, "%s %s: granularity %d, max %d: %d in, %d merged away, %d claimed, %d calls, %d of %d bytes\n",
+		op, d.Dev.Name(), d.Limits.Granularity, d.Limits.MaxBytes,
+		len(d.In), d.MergedAway(), len(d.Claimed), len(d.Calls), Bytes(d.Calls), Bytes(d.In))
+	unit, width, ok := scale(d)
+	if ok {
+		tick := int64(8)
+		if g := d.Limits.Granularity / unit; g >= 2 {
+			tick = g
+		}
+		fmt.Fprintf(b, "  %-8s %s  (column = %d bytes, | every %d)\n", "", ruler(width, tick), unit, tick*unit)
+	}
+	rows := []struct {
+		name string
+		rs   []backing.Range
+		each bool // one line per range
+	}{
+		{"in", d.In, true},
+		{"claimed", d.Claimed, false},
+		{"merged", d.Merged, false},
+		{"calls", d.Calls, false},
+	}
+	for _, row := range rows {
+		if len(row.rs) == 0 {
+			continue
+		}
+		if !ok {
+			fmt.Fprintf(b, "  %-8s %s\n", row.name, list(row.rs))
+			continue
+		}
+		if row.each {
+			for _, r := range row.rs {
+				fmt.Fprintf(b, "  %-8s %s\n", row.name, draw([]backing.Range{r}, unit))
+			}
+			continue
+		}
+		fmt.Fprintf(b, "  %-8s %s\n", row.name, draw(row.rs, unit))
+	}
+	if ok {
+		fmt.Fprintf(b, "  %-8s %s\n", "calls", list(d.Calls))
+	}
+}
+
+// scale picks the drawing unit: the largest power of two dividing every
+// offset and length, if the drawing then fits in drawWidth columns and there
+// are few enough input ranges to draw one per line.
+func scale(d DevicePlan) (unit, width int64, ok bool) {
+	if len(d.In) == 0 || len(d.In) > listMax {
+		return 0, 0, false
+	}
+	var all []backing.Range
+	for _, rs := range [][]backing.Range{d.In, d.Claimed, d.Merged, d.Calls} {
+		all = append(all, rs...)
+	}
+	unit = 1 << 40
+	var end int64
+	for _, r := range all {
+		for _, v := range []int64{r.Off, r.Len} {
+			for v%unit != 0 {
+				unit >>= 1
+			}
+		}
+		end = max(end, r.End())
+	}
+	if g := d.Limits.Granularity; g > 0 && g < unit && g&(g-1) == 0 {
+		unit = g // so that granules show on the ruler
+	}
+	width = (end + unit - 1) / unit
+	return unit, width, width <= drawWidth
+}
+
+func ruler(width, tick int64) string {
+	var b strings.Builder
+	for i := range width + 1 {
+		if i%tick == 0 {
+			b.WriteByte('|')
+		} else {
+			b.WriteByte('.')
+		}
+	}
+	return b.String()
+}
+
+func draw(rs []backing.Range, unit int64) string {
+	var line []byte
+	for _, r := range rs {
+		s, e := int(r.Off/unit), int((r.End()+unit-1)/unit)
+		for len(line) < e {
+			line = append(line, ' ')
+		}
+		if e-s == 1 {
+			line[s] = '#'
+			continue
+		}
+		line[s] = '['
+		for i := s + 1; i < e-1; i++ {
+			line[i] = '-'
+		}
+		line[e-1] = ']'
+	}
+	return string(line)
+}
+
+func list(rs []backing.Range) string {
+	if len(rs) > listMax {
+		return fmt.Sprintf("%d ranges, %d bytes, %d+%d .. %d+%d",
+			len(rs), Bytes(rs), rs[0].Off, rs[0].Len, rs[len(rs)-1].Off, rs[len(rs)-1].Len)
+	}
+	parts := make([]string, len(rs))
+	for i, r := range rs {
+		parts[i] = fmt.Sprintf("%d+%d", r.Off, r.Len)
+	}
+	return strings.Join(parts, " ")
+}
