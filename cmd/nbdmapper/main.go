@@ -203,4 +203,6 @@ func listen(sf serveFlags) ([]net.Listener, error) {
 	return ls, nil
 }
 
-func logStats(log *slog.Logger, f *flush.Engine, d *discard.Engine) {}
+func logStats(log *slog.Logger, f *flush.Engine, d *discard.Engine) {
+	logFlushStats(log, f)
+}
