@@ -169,7 +169,7 @@ func Subtract(rs, cut []backing.Range) []backing.Range {
 // adjacent half-granule ranges are discarded once merged, and lost if cut
 // one by one.
 //
-//	granule  |...|...|...|...| 
+//	granule  |...|...|...|...|
 //	merged    [--------]  [-]   1+10 13+3
 //	aligned      [--]           4+4     (granularity 4)
 //	merged   [--------------]   0+16
