@@ -117,9 +117,9 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 			return fail(fmt.Errorf("%s: %w", name, err))
 		}
 		if len(lines) == cap(lines) && len(lines) > 0 {
-			// Fill fixed-size chunks and join them once at the end: growing
-			// one slice by append to a million lines allocates about five
-			// times the final size, chunks about twice.
+			// Fill chunks (doubling up to 64Ki lines) and join them once at
+			// the end: growing one slice by append to a million lines
+			// allocates about five times the final size, chunks about twice.
 			done = append(done, lines)
 			lines = make([]Line, 0, min(2*cap(lines), 64<<10))
 		}
