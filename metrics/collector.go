@@ -1,0 +1,319 @@
+package metrics
+
+import (
+	"maps"
+	"runtime"
+	"runtime/debug"
+	"slices"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+// errnoNames are the NBD error values the server replies with (the Linux
+// errno numbers), as errno label values. Every one exists for every export
+// and op from the start; anything else would be counted as "other".
+var errnoNames = map[uint32]string{
+	nbdtarget.EPERM:     "EPERM",
+	nbdtarget.EIO:       "EIO",
+	nbdtarget.ENOMEM:    "ENOMEM",
+	nbdtarget.EINVAL:    "EINVAL",
+	nbdtarget.ENOSPC:    "ENOSPC",
+	nbdtarget.EOVERFLOW: "EOVERFLOW",
+	nbdtarget.ENOTSUP:   "ENOTSUP",
+	nbdtarget.ESHUTDOWN: "ESHUTDOWN",
+}
+
+// errnoOrder is errnoNames' keys ascending, for a stable exposition.
+var errnoOrder = slices.Sorted(maps.Keys(errnoNames))
+
+// ErrnoName is the errno label value for an NBD error value.
+func ErrnoName(errno uint32) string {
+	if n, ok := errnoNames[errno]; ok {
+		return n
+	}
+	return "other"
+}
+
+func desc(name, help string, labels ...string) *prometheus.Desc {
+	return prometheus.NewDesc(name, help, labels, nil)
+}
+
+// Descriptions of the metrics read from Stats at scrape time.
+var (
+	// Front end: nbdtarget.Server.
+	descRequests = desc("nbdmapper_requests_total",
+		"NBD requests completed (replied to, or finished for NBD_CMD_DISC), by export and op.",
+		"export", "op")
+	descRequestBytes = desc("nbdmapper_request_bytes_total",
+		"Bytes covered by completed NBD requests: data read or written, or the length trimmed, zeroed, cached or queried.",
+		"export", "op")
+	descRequestErrors = desc("nbdmapper_request_errors_total",
+		"NBD requests that got an error reply, by export, op and NBD error name.",
+		"export", "op", "errno")
+	descInFlight = desc("nbdmapper_requests_in_flight",
+		"NBD requests decoded and not yet replied to, by export.",
+		"export")
+	descConnections = desc("nbdmapper_connections_active",
+		"Client connections in the transmission phase now, by export.",
+		"export")
+	descConnectionsTotal = desc("nbdmapper_connections_total",
+		"Client connections that reached the transmission phase since start, by export.",
+		"export")
+
+	// Flush engine.
+	descFlushes = desc("nbdmapper_flushes_total",
+		"Flushes the flush engine was asked to make durable (NBD_CMD_FLUSH and FUA writes, all exports).")
+	descDeviceFlushes = desc("nbdmapper_device_flushes_total",
+		"Flushes that covered this backing device (fanned out to it): each needed it durable.",
+		"device")
+	descDeviceSyncs = desc("nbdmapper_device_syncs_total",
+		"Syncs (fdatasync) issued to this backing device.",
+		"device")
+	descDeviceSkipped = desc("nbdmapper_device_syncs_skipped_total",
+		"Flushes of this device that needed no sync because nothing had written it since its last sync.",
+		"device")
+	descDeviceCoalesced = desc("nbdmapper_device_flushes_coalesced_total",
+		"Flushes of this device served by a sync another flush started (group commit).",
+		"device")
+	descDeviceSyncErrors = desc("nbdmapper_device_sync_errors_total",
+		"Syncs of this backing device that failed.",
+		"device")
+	descDeviceDirty = desc("nbdmapper_device_dirty",
+		"1 if this backing device has writes that are not yet synced, else 0.",
+		"device")
+
+	// Discard engine.
+	descDiscardRangesIn = desc("nbdmapper_device_discard_ranges_received_total",
+		"Discard ranges that reached this device after mapping, before merging.",
+		"device")
+	descDiscardBytesIn = desc("nbdmapper_device_discard_received_bytes_total",
+		"Bytes of the discard ranges that reached this device, before merging and alignment.",
+		"device")
+	descDiscardCalls = desc("nbdmapper_device_discard_calls_total",
+		"Discard calls issued to this backing device (BLKDISCARD or hole punch).",
+		"device")
+	descDiscardBytesOut = desc("nbdmapper_device_discard_bytes_total",
+		"Bytes discarded on this backing device by the calls issued.",
+		"device")
+	descDiscardMerged = desc("nbdmapper_device_discard_ranges_merged_total",
+		"Discard ranges that disappeared into a neighbour when merging (ranges received minus calls issued, before splitting).",
+		"device")
+	descDiscardUnsupported = desc("nbdmapper_device_discard_unsupported_total",
+		"Discard calls dropped because the device cannot discard (discard is advisory).",
+		"device")
+	descDiscardErrors = desc("nbdmapper_device_discard_errors_total",
+		"Discard or zeroing calls on this device that failed.",
+		"device")
+	descZeroRangesIn = desc("nbdmapper_device_zero_ranges_received_total",
+		"Write-zeroes ranges that reached this device after mapping, before merging.",
+		"device")
+	descZeroCalls = desc("nbdmapper_device_zero_calls_total",
+		"Zeroing calls issued to this backing device (BLKZEROOUT, fallocate, or written zeros).",
+		"device")
+
+	// Tables.
+	descExportSize = desc("nbdmapper_export_size_bytes",
+		"Size of the export's virtual device.",
+		"export")
+	descExportSegments = desc("nbdmapper_export_segments",
+		"Table lines of the export, by target type.",
+		"export", "target")
+	descExportDevices = desc("nbdmapper_export_backing_devices",
+		"Distinct backing devices the export's table uses.",
+		"export")
+	descDeviceSize = desc("nbdmapper_device_size_bytes",
+		"Size of the backing device.",
+		"device")
+	descBuildInfo = desc("nbdmapper_build_info",
+		"Always 1; the labels say which nbdmapper is running.",
+		"version", "revision", "goversion")
+)
+
+// statsCollector turns the server's and engines' plain Stats into const
+// metrics at scrape time. The table metrics never change, so they are built
+// once.
+type statsCollector struct {
+	cfg     Config
+	devices []string // from the tables: reported with zeros until an engine sees them
+	static  []prometheus.Metric
+}
+
+func newStatsCollector(cfg Config, devices []string, version string) *statsCollector {
+	c := &statsCollector{cfg: cfg, devices: devices}
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		c.static = append(c.static, prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...))
+	}
+	gauge(descBuildInfo, 1, version, buildRevision(), runtime.Version())
+	if cfg.Server == nil {
+		return c
+	}
+	devSize := make(map[string]int64)
+	for _, x := range cfg.Server.Exports {
+		gauge(descExportSize, float64(x.Table.Size()), x.Name)
+		bytype := make(map[string]int)
+		for _, l := range x.Table.Lines {
+			bytype[l.Target.Type()]++
+		}
+		types := table.Targets()
+		for t := range bytype {
+			if !slices.Contains(types, t) {
+				types = append(types, t)
+			}
+		}
+		for _, t := range types {
+			gauge(descExportSegments, float64(bytype[t]), x.Name, t)
+		}
+		devs := x.Table.Devices()
+		gauge(descExportDevices, float64(len(devs)), x.Name)
+		for _, d := range devs {
+			devSize[d.Name()] = d.Size()
+		}
+	}
+	for _, n := range devices {
+		gauge(descDeviceSize, float64(devSize[n]), n)
+	}
+	return c
+}
+
+func buildRevision() string {
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" {
+				return s.Value
+			}
+		}
+	}
+	return "unknown"
+}
+
+func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{
+		descRequests, descRequestBytes, descRequestErrors, descInFlight,
+		descConnections, descConnectionsTotal,
+		descFlushes, descDeviceFlushes, descDeviceSyncs, descDeviceSkipped,
+		descDeviceCoalesced, descDeviceSyncErrors, descDeviceDirty,
+		descDiscardRangesIn, descDiscardBytesIn, descDiscardCalls,
+		descDiscardBytesOut, descDiscardMerged, descDiscardUnsupported,
+		descDiscardErrors, descZeroRangesIn, descZeroCalls,
+		descExportSize, descExportSegments, descExportDevices, descDeviceSize,
+		descBuildInfo,
+	} {
+		ch <- d
+	}
+}
+
+func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, m := range c.static {
+		ch <- m
+	}
+	if c.cfg.Server != nil {
+		c.collectServer(ch, c.cfg.Server.Stats())
+	}
+	if c.cfg.Flush != nil {
+		c.collectFlush(ch, c.cfg.Flush.Stats())
+	}
+	if c.cfg.Discard != nil {
+		c.collectDiscard(ch, c.cfg.Discard.Stats())
+	}
+}
+
+func counter(ch chan<- prometheus.Metric, d *prometheus.Desc, v uint64, labels ...string) {
+	ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+}
+
+func gauge(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels ...string) {
+	ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+}
+
+// collectServer reports every op of every export, zeros included: the
+// server's Stats leaves out ops that never ran.
+func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.Stats) {
+	for _, x := range s.Exports {
+		gauge(ch, descConnections, float64(x.Connections), x.Name)
+		counter(ch, descConnectionsTotal, uint64(x.ConnectionsTotal), x.Name)
+		gauge(ch, descInFlight, float64(x.InFlight), x.Name)
+		for _, name := range nbdtarget.Ops {
+			op := x.Ops[name]
+			counter(ch, descRequests, uint64(op.Requests), x.Name, name)
+			counter(ch, descRequestBytes, uint64(op.Bytes), x.Name, name)
+			var other int64
+			for errno, n := range op.Errors {
+				if _, ok := errnoNames[errno]; !ok {
+					other += n
+				}
+			}
+			for _, errno := range errnoOrder {
+				counter(ch, descRequestErrors, uint64(op.Errors[errno]), x.Name, name, errnoNames[errno])
+			}
+			if other > 0 {
+				counter(ch, descRequestErrors, uint64(other), x.Name, name, "other")
+			}
+		}
+	}
+}
+
+// collectFlush reports the engine's devices, then zeros for table devices
+// the engine does not track (yet).
+func (c *statsCollector) collectFlush(ch chan<- prometheus.Metric, s flush.Stats) {
+	counter(ch, descFlushes, s.Flushes)
+	seen := make(map[string]bool, len(s.Devices))
+	emit := func(d flush.DeviceStats) {
+		seen[d.Name] = true
+		counter(ch, descDeviceFlushes, d.Requested, d.Name)
+		counter(ch, descDeviceSyncs, d.Syncs, d.Name)
+		counter(ch, descDeviceSkipped, d.SkippedClean, d.Name)
+		counter(ch, descDeviceCoalesced, d.Coalesced, d.Name)
+		counter(ch, descDeviceSyncErrors, d.SyncErrors, d.Name)
+		gauge(ch, descDeviceDirty, b2f(d.Dirty), d.Name)
+	}
+	for _, d := range s.Devices {
+		if !seen[d.Name] {
+			emit(d)
+		}
+	}
+	for _, n := range c.devices {
+		if !seen[n] {
+			emit(flush.DeviceStats{Name: n})
+		}
+	}
+}
+
+// collectDiscard reports the engine's devices, then zeros for table devices
+// the engine has not seen yet (it learns devices on first use).
+func (c *statsCollector) collectDiscard(ch chan<- prometheus.Metric, s discard.Stats) {
+	seen := make(map[string]bool, len(s.Devices))
+	emit := func(d discard.DeviceStats) {
+		seen[d.Name] = true
+		counter(ch, descDiscardRangesIn, d.RangesIn, d.Name)
+		counter(ch, descDiscardBytesIn, d.BytesIn, d.Name)
+		counter(ch, descDiscardCalls, d.Calls, d.Name)
+		counter(ch, descDiscardBytesOut, d.BytesOut, d.Name)
+		counter(ch, descDiscardMerged, d.MergedAway, d.Name)
+		counter(ch, descDiscardUnsupported, d.Unsupported, d.Name)
+		counter(ch, descDiscardErrors, d.Errors, d.Name)
+		counter(ch, descZeroRangesIn, d.ZeroRangesIn, d.Name)
+		counter(ch, descZeroCalls, d.ZeroCalls, d.Name)
+	}
+	for _, d := range s.Devices {
+		if !seen[d.Name] {
+			emit(d)
+		}
+	}
+	for _, n := range c.devices {
+		if !seen[n] {
+			emit(discard.DeviceStats{Name: n})
+		}
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}

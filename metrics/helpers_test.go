@@ -1,0 +1,212 @@
+package metrics
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+// rig is a real nbdmapper in the test process: two sparse backing files,
+// each wrapped in a backing.Recorder under the flush engine, exports over
+// them served on a unix socket, and the metrics served on loopback TCP.
+type rig struct {
+	socket     string
+	metricsURL string
+	metrics    *Metrics
+	server     *nbdtarget.Server
+	flush      *flush.Engine
+	discard    *discard.Engine
+	recorders  map[string]*backing.Recorder // by device name (path)
+	disks      []string
+}
+
+const (
+	diskBytes  = 8 << 20
+	segSectors = 1024 // 512 KiB segments
+)
+
+// startRig serves two exports: "main", 8 linear segments of 512 KiB
+// alternating between the two disks (so each disk holds 4 of them back to
+// back), then a zero and an error segment; and "small", one linear segment
+// on disk 0 past everything "main" uses.
+//
+//	main:  | d0:0 | d1:0 | d0:1 | d1:1 | ... | d1:3 | zero | error |
+//	small: | d0:8 |
+func startRig(t *testing.T) *rig {
+	t.Helper()
+	dir := t.TempDir()
+	r := &rig{recorders: make(map[string]*backing.Recorder)}
+	for i := range 2 {
+		p := filepath.Join(dir, fmt.Sprintf("disk%d.img", i))
+		if err := os.WriteFile(p, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(p, diskBytes); err != nil {
+			t.Fatal(err)
+		}
+		r.disks = append(r.disks, p)
+	}
+	var main strings.Builder
+	for i := range 8 {
+		fmt.Fprintf(&main, "%d %d linear %s %d\n", i*segSectors, segSectors, r.disks[i%2], (i/2)*segSectors)
+	}
+	fmt.Fprintf(&main, "%d %d zero\n", 8*segSectors, segSectors)
+	fmt.Fprintf(&main, "%d %d error\n", 9*segSectors, segSectors)
+	small := fmt.Sprintf("0 %d linear %s %d\n", segSectors, r.disks[0], 8*segSectors)
+
+	r.flush = flush.New()
+	r.discard = discard.New()
+	pool := &backing.Pool{Wrap: func(d backing.Device) backing.Device {
+		rec := backing.NewRecorder(d)
+		r.recorders[d.Name()] = rec
+		return r.flush.Track(rec)
+	}}
+	t.Cleanup(func() { pool.Close() })
+	var exports []*nbdtarget.Export
+	for _, x := range []struct{ name, text string }{{"main", main.String()}, {"small", small}} {
+		tb, err := table.Parse(x.name+".table", strings.NewReader(x.text), pool)
+		if err != nil {
+			t.Fatalf("table %s: %v", x.name, err)
+		}
+		exports = append(exports, &nbdtarget.Export{
+			Name: x.name, Table: tb, Flush: r.flush, Discard: r.discard,
+		})
+	}
+	r.server = &nbdtarget.Server{Exports: exports}
+	r.metrics = New(Config{Server: r.server, Flush: r.flush, Discard: r.discard, Version: "test"})
+
+	r.socket = filepath.Join(dir, "nbd.sock")
+	nl, err := net.Listen("unix", r.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go r.server.Serve(nl)
+	t.Cleanup(func() { r.server.Shutdown(context.Background()) })
+
+	ml, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.metrics.Serve(ctx, ml) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("metrics.Serve: %v", err)
+		}
+	})
+	r.metricsURL = "http://" + ml.Addr().String() + "/metrics"
+	return r
+}
+
+// uri is the NBD URI of an export of the rig.
+func (r *rig) uri(export string) string {
+	return "nbd+unix:///" + export + "?socket=" + r.socket
+}
+
+// nbdsh runs a Python snippet against an export with nbdsh (h is connected).
+func (r *rig) nbdsh(t *testing.T, export, script string) {
+	t.Helper()
+	nbdsh := need(t, "nbdsh")
+	cmd := exec.Command(nbdsh, "-u", r.uri(export), "-c", script)
+	// nbdsh runs `python3 -m nbd`: use the python3 installed beside it,
+	// which has the nbd module, rather than another one earlier in PATH.
+	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(nbdsh)+string(filepath.ListSeparator)+os.Getenv("PATH"))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("nbdsh: %v\n%s", err, out)
+	}
+}
+
+// need skips the test if a tool is missing.
+func need(t *testing.T, tool string) string {
+	t.Helper()
+	p, err := exec.LookPath(tool)
+	if err != nil {
+		t.Skipf("%s not installed (Debian: see README); skipping", tool)
+	}
+	return p
+}
+
+// scrape fetches the metrics page as a plain scraper would.
+func (r *rig) scrape(t *testing.T) []byte {
+	t.Helper()
+	resp, err := http.Get(r.metricsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %s", r.metricsURL, resp.Status)
+	}
+	return b
+}
+
+// gather returns the registry's families by name.
+func gather(t *testing.T, m *Metrics) map[string]*dto.MetricFamily {
+	t.Helper()
+	mfs, err := m.Gatherer().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make(map[string]*dto.MetricFamily, len(mfs))
+	for _, mf := range mfs {
+		out[mf.GetName()] = mf
+	}
+	return out
+}
+
+// find returns the sample of family name whose labels include want, or nil.
+func find(fams map[string]*dto.MetricFamily, name string, want map[string]string) *dto.Metric {
+	mf := fams[name]
+	if mf == nil {
+		return nil
+	}
+next:
+	for _, m := range mf.GetMetric() {
+		have := make(map[string]string)
+		for _, l := range m.GetLabel() {
+			have[l.GetName()] = l.GetValue()
+		}
+		for k, v := range want {
+			if have[k] != v {
+				continue next
+			}
+		}
+		return m
+	}
+	return nil
+}
+
+// value is a counter's or gauge's value, or a histogram's sample count.
+func value(m *dto.Metric) float64 {
+	switch {
+	case m.Counter != nil:
+		return m.GetCounter().GetValue()
+	case m.Gauge != nil:
+		return m.GetGauge().GetValue()
+	case m.Histogram != nil:
+		return float64(m.GetHistogram().GetSampleCount())
+	}
+	return -1
+}

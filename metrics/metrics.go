@@ -1,0 +1,282 @@
+package metrics
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/http"
+	"runtime/debug"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+)
+
+// Config says what New reads from. Any field may be nil; its metrics are
+// then left out.
+type Config struct {
+	// Server is the protocol server. Its Exports give the table metrics
+	// and the export label values; its Stats the front-end counters.
+	Server *nbdtarget.Server
+	// Flush and Discard are the engines every export shares.
+	Flush   *flush.Engine
+	Discard *discard.Engine
+	// Version goes into nbdmapper_build_info; empty means the main
+	// module's version from the build info.
+	Version string
+}
+
+// Metrics is a private registry holding every nbdmapper metric, the Go
+// runtime and process collectors, and the histograms fed by the Observe
+// hooks.
+type Metrics struct {
+	reg *prometheus.Registry
+
+	requestSeconds *prometheus.HistogramVec
+	syncSeconds    *prometheus.HistogramVec
+	discardSeconds *prometheus.HistogramVec
+
+	// Observers for every label combination known at New, so that a hook
+	// on the I/O path does a map read instead of hashing label values. The
+	// maps are never written after New.
+	requestObs map[[2]string]prometheus.Observer
+	syncObs    map[string]prometheus.Observer
+	discardObs map[[2]string]prometheus.Observer
+}
+
+// Latency buckets for the classic histograms, 50µs to 10s: a page-cache
+// write on a file is tens of microseconds, an fdatasync of a real disk is
+// milliseconds to seconds. The native histograms need no bucket choice.
+var latencyBuckets = []float64{
+	0.00005, 0.0001, 0.00025, 0.0005,
+	0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+	0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+}
+
+// histogramOpts returns classic buckets plus native histogram settings:
+// factor 1.1 (8 buckets per power of two, ~5% error on quantiles), at most
+// 160 buckets, reset at most hourly when that is exceeded.
+func histogramOpts(name, help string) prometheus.HistogramOpts {
+	return prometheus.HistogramOpts{
+		Name:                            name,
+		Help:                            help,
+		Buckets:                         latencyBuckets,
+		NativeHistogramBucketFactor:     1.1,
+		NativeHistogramMaxBucketNumber:  160,
+		NativeHistogramMinResetDuration: time.Hour,
+	}
+}
+
+// New builds the registry and points the Observe hooks of the server and
+// engines in cfg at its histograms (after any hook already set), so it must
+// be called before they serve. Every label combination the configuration
+// implies is created with value 0.
+func New(cfg Config) *Metrics {
+	m := &Metrics{
+		reg: prometheus.NewRegistry(),
+		requestSeconds: prometheus.NewHistogramVec(histogramOpts(
+			"nbdmapper_request_duration_seconds",
+			"Time from decoding an NBD request to queueing its reply, by export and op."),
+			[]string{"export", "op"}),
+		syncSeconds: prometheus.NewHistogramVec(histogramOpts(
+			"nbdmapper_device_sync_duration_seconds",
+			"Time one sync (fdatasync) of a backing device took."),
+			[]string{"device"}),
+		discardSeconds: prometheus.NewHistogramVec(histogramOpts(
+			"nbdmapper_device_discard_duration_seconds",
+			"Time one discard or zeroing call on a backing device took, by op (discard, zero)."),
+			[]string{"device", "op"}),
+		requestObs: make(map[[2]string]prometheus.Observer),
+		syncObs:    make(map[string]prometheus.Observer),
+		discardObs: make(map[[2]string]prometheus.Observer),
+	}
+	devices := deviceNames(cfg)
+	m.reg.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		newStatsCollector(cfg, devices, buildVersion(cfg.Version)),
+	)
+
+	if s := cfg.Server; s != nil {
+		m.reg.MustRegister(m.requestSeconds)
+		for _, x := range s.Exports {
+			for _, op := range requestOps() {
+				k := [2]string{x.Name, op}
+				m.requestObs[k] = m.requestSeconds.WithLabelValues(k[0], k[1])
+			}
+		}
+		prev := s.Observe
+		s.Observe = func(export, op string, bytes int64, errno uint32, d time.Duration) {
+			if prev != nil {
+				prev(export, op, bytes, errno, d)
+			}
+			m.ObserveRequest(export, op, bytes, errno, d)
+		}
+	}
+	if e := cfg.Flush; e != nil {
+		m.reg.MustRegister(m.syncSeconds)
+		for _, d := range devices {
+			m.syncObs[d] = m.syncSeconds.WithLabelValues(d)
+		}
+		prev := e.Observe
+		e.Observe = func(device string, d time.Duration) {
+			if prev != nil {
+				prev(device, d)
+			}
+			m.ObserveSync(device, d)
+		}
+	}
+	if e := cfg.Discard; e != nil {
+		m.reg.MustRegister(m.discardSeconds)
+		for _, d := range devices {
+			for _, op := range discardOps {
+				k := [2]string{d, op}
+				m.discardObs[k] = m.discardSeconds.WithLabelValues(d, op)
+			}
+		}
+		prev := e.Observe
+		e.Observe = func(device, op string, d time.Duration) {
+			if prev != nil {
+				prev(device, op, d)
+			}
+			m.ObserveDiscard(device, op, d)
+		}
+	}
+	return m
+}
+
+// requestOps are the op label values of the request histogram: every op
+// the server reports except DISC, which has no reply and so no duration.
+func requestOps() []string {
+	var ops []string
+	for _, op := range nbdtarget.Ops {
+		if op != "disc" {
+			ops = append(ops, op)
+		}
+	}
+	return ops
+}
+
+// discardOps are the op label values of the discard engine's calls.
+var discardOps = []string{discard.OpDiscard.String(), discard.OpZero.String()}
+
+// deviceNames lists every backing device the tables use, by name, in order
+// of first use: the device label values known from the start.
+func deviceNames(cfg Config) []string {
+	if cfg.Server == nil {
+		return nil
+	}
+	var names []string
+	seen := make(map[string]bool)
+	for _, x := range cfg.Server.Exports {
+		for _, d := range x.Table.Devices() {
+			if n := d.Name(); !seen[n] {
+				seen[n] = true
+				names = append(names, n)
+			}
+		}
+	}
+	return names
+}
+
+func buildVersion(v string) string {
+	if v != "" {
+		return v
+	}
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "unknown"
+}
+
+// ObserveRequest records one completed NBD request; it is the protocol
+// server's Observe hook. bytes and errno are counted by the server's own
+// Stats; only the duration is recorded here.
+func (m *Metrics) ObserveRequest(export, op string, bytes int64, errno uint32, d time.Duration) {
+	o, ok := m.requestObs[[2]string{export, op}]
+	if !ok {
+		o = m.requestSeconds.WithLabelValues(export, op)
+	}
+	o.Observe(d.Seconds())
+}
+
+// ObserveSync records one sync of a backing device; it is the flush
+// engine's Observe hook.
+func (m *Metrics) ObserveSync(device string, d time.Duration) {
+	o, ok := m.syncObs[device]
+	if !ok {
+		o = m.syncSeconds.WithLabelValues(device)
+	}
+	o.Observe(d.Seconds())
+}
+
+// ObserveDiscard records one discard or zeroing call on a backing device;
+// it is the discard engine's Observe hook.
+func (m *Metrics) ObserveDiscard(device, op string, d time.Duration) {
+	o, ok := m.discardObs[[2]string{device, op}]
+	if !ok {
+		o = m.discardSeconds.WithLabelValues(device, op)
+	}
+	o.Observe(d.Seconds())
+}
+
+// Gatherer is the registry, for tests and for embedding in another handler.
+func (m *Metrics) Gatherer() prometheus.Gatherer { return m.reg }
+
+// Handler serves the registry in the Prometheus text format, OpenMetrics
+// or protobuf (native histograms need protobuf), as the scraper asks.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{
+		Registry:          m.reg, // promhttp_metric_handler_errors_total
+		EnableOpenMetrics: true,
+	})
+}
+
+// Serve serves /metrics on l until ctx is done, then shuts the HTTP server
+// down. It returns nil after a shutdown caused by ctx.
+func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", m.Handler())
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/" {
+			http.NotFound(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		w.Write([]byte(`<html><body><a href="/metrics">/metrics</a></body></html>` + "\n"))
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	shut := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(shut)
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		srv.Shutdown(sctx)
+	})
+	err := srv.Serve(l)
+	if !stop() {
+		<-shut // ctx ended: wait until Shutdown has drained the connections
+		return nil
+	}
+	if errors.Is(err, http.ErrServerClosed) {
+		return nil
+	}
+	return err
+}
+
+// ListenAndServe listens on addr (HOST:PORT) and serves as Serve does. The
+// listener is opened before it returns an error or starts serving, so a
+// caller running it in a goroutine should prefer net.Listen plus Serve to
+// see bind errors at startup.
+func (m *Metrics) ListenAndServe(ctx context.Context, addr string) error {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	return m.Serve(ctx, l)
+}

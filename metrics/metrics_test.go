@@ -1,0 +1,268 @@
+package metrics
+
+import (
+	"bytes"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+// workload writes every linear segment of "main", flushes twice, trims the
+// linear part whole, reads the error segment once and flushes "small".
+const workload = `
+buf = b'x' * 4096
+for i in range(8):
+    h.pwrite(buf, i * 524288)
+h.flush()
+h.flush()
+h.trim(8 * 524288, 0)
+try:
+    h.pread(512, 9 * 524288)
+except nbd.Error as e:
+    assert e.errnum == errno.EIO, e
+else:
+    raise AssertionError("read of the error target succeeded")
+`
+
+func runWorkload(t *testing.T, r *rig) {
+	t.Helper()
+	r.nbdsh(t, "main", "import errno\n"+workload)
+	r.nbdsh(t, "small", "h.pwrite(b'y' * 4096, 0)\nh.flush()")
+}
+
+// TestLint runs client_golang's linter (the rules of promtool check metrics)
+// over the whole registry, before and after traffic.
+func TestLint(t *testing.T) {
+	r := startRig(t)
+	for _, stage := range []string{"idle", "after workload"} {
+		if stage != "idle" {
+			runWorkload(t, r)
+		}
+		problems, err := testutil.GatherAndLint(r.metrics.Gatherer())
+		if err != nil {
+			t.Fatalf("%s: gather: %v", stage, err)
+		}
+		for _, p := range problems {
+			t.Errorf("%s: %s: %s", stage, p.Metric, p.Text)
+		}
+	}
+}
+
+// TestZeroFromStart checks that every series the configuration implies is
+// there, at 0, before the first request.
+func TestZeroFromStart(t *testing.T) {
+	r := startRig(t)
+	fams := gather(t, r.metrics)
+	disk0, disk1 := r.disks[0], r.disks[1]
+
+	type series struct {
+		name   string
+		labels map[string]string
+	}
+	var want []series
+	for _, x := range []string{"main", "small"} {
+		for _, op := range nbdtarget.Ops {
+			want = append(want,
+				series{"nbdmapper_requests_total", map[string]string{"export": x, "op": op}},
+				series{"nbdmapper_request_bytes_total", map[string]string{"export": x, "op": op}})
+			for _, e := range []string{"EPERM", "EIO", "ENOMEM", "EINVAL", "ENOSPC", "EOVERFLOW", "ENOTSUP", "ESHUTDOWN"} {
+				want = append(want, series{"nbdmapper_request_errors_total", map[string]string{"export": x, "op": op, "errno": e}})
+			}
+			if op != "disc" {
+				want = append(want, series{"nbdmapper_request_duration_seconds", map[string]string{"export": x, "op": op}})
+			}
+		}
+		want = append(want,
+			series{"nbdmapper_requests_in_flight", map[string]string{"export": x}},
+			series{"nbdmapper_connections_active", map[string]string{"export": x}},
+			series{"nbdmapper_connections_total", map[string]string{"export": x}})
+	}
+	for _, d := range []string{disk0, disk1} {
+		for _, name := range []string{
+			"nbdmapper_device_flushes_total", "nbdmapper_device_syncs_total",
+			"nbdmapper_device_syncs_skipped_total", "nbdmapper_device_flushes_coalesced_total",
+			"nbdmapper_device_sync_errors_total", "nbdmapper_device_dirty",
+			"nbdmapper_device_sync_duration_seconds",
+			"nbdmapper_device_discard_ranges_received_total", "nbdmapper_device_discard_received_bytes_total",
+			"nbdmapper_device_discard_calls_total", "nbdmapper_device_discard_bytes_total",
+			"nbdmapper_device_discard_ranges_merged_total", "nbdmapper_device_discard_unsupported_total",
+			"nbdmapper_device_discard_errors_total", "nbdmapper_device_zero_ranges_received_total",
+			"nbdmapper_device_zero_calls_total",
+		} {
+			want = append(want, series{name, map[string]string{"device": d}})
+		}
+		for _, op := range []string{"discard", "zero"} {
+			want = append(want, series{"nbdmapper_device_discard_duration_seconds", map[string]string{"device": d, "op": op}})
+		}
+	}
+	want = append(want, series{"nbdmapper_flushes_total", nil})
+	for _, s := range want {
+		m := find(fams, s.name, s.labels)
+		if m == nil {
+			t.Errorf("%s%v: missing", s.name, s.labels)
+			continue
+		}
+		if v := value(m); v != 0 {
+			t.Errorf("%s%v = %v before any request, want 0", s.name, s.labels, v)
+		}
+	}
+
+	// Static table metrics have their real values from the start.
+	statics := []struct {
+		name   string
+		labels map[string]string
+		want   float64
+	}{
+		{"nbdmapper_export_size_bytes", map[string]string{"export": "main"}, 10 * segSectors * 512},
+		{"nbdmapper_export_size_bytes", map[string]string{"export": "small"}, segSectors * 512},
+		{"nbdmapper_export_segments", map[string]string{"export": "main", "target": "linear"}, 8},
+		{"nbdmapper_export_segments", map[string]string{"export": "main", "target": "zero"}, 1},
+		{"nbdmapper_export_segments", map[string]string{"export": "main", "target": "error"}, 1},
+		{"nbdmapper_export_segments", map[string]string{"export": "main", "target": "striped"}, 0},
+		{"nbdmapper_export_segments", map[string]string{"export": "small", "target": "linear"}, 1},
+		{"nbdmapper_export_backing_devices", map[string]string{"export": "main"}, 2},
+		{"nbdmapper_export_backing_devices", map[string]string{"export": "small"}, 1},
+		{"nbdmapper_device_size_bytes", map[string]string{"device": disk0}, diskBytes},
+		{"nbdmapper_device_size_bytes", map[string]string{"device": disk1}, diskBytes},
+		{"nbdmapper_build_info", map[string]string{"version": "test"}, 1},
+	}
+	for _, s := range statics {
+		m := find(fams, s.name, s.labels)
+		if m == nil {
+			t.Errorf("%s%v: missing", s.name, s.labels)
+			continue
+		}
+		if v := value(m); v != s.want {
+			t.Errorf("%s%v = %v, want %v", s.name, s.labels, v, s.want)
+		}
+	}
+	for _, typ := range table.Targets() {
+		if find(fams, "nbdmapper_export_segments", map[string]string{"export": "small", "target": typ}) == nil {
+			t.Errorf("nbdmapper_export_segments{export=small,target=%s} missing", typ)
+		}
+	}
+}
+
+// TestCountersMatchDevices drives a known workload with nbdsh and checks
+// the scraped counters against the server's own bookkeeping and against
+// what the recording devices saw.
+func TestCountersMatchDevices(t *testing.T) {
+	r := startRig(t)
+	runWorkload(t, r)
+	fams := gather(t, r.metrics)
+	disk0, disk1 := r.disks[0], r.disks[1]
+	rec0, rec1 := r.recorders[disk0], r.recorders[disk1]
+
+	checks := []struct {
+		name   string
+		labels map[string]string
+		want   float64
+	}{
+		{"nbdmapper_requests_total", map[string]string{"export": "main", "op": "write"}, 8},
+		{"nbdmapper_request_bytes_total", map[string]string{"export": "main", "op": "write"}, 8 * 4096},
+		{"nbdmapper_requests_total", map[string]string{"export": "main", "op": "flush"}, 2},
+		{"nbdmapper_requests_total", map[string]string{"export": "main", "op": "trim"}, 1},
+		{"nbdmapper_request_bytes_total", map[string]string{"export": "main", "op": "trim"}, 8 * 524288},
+		{"nbdmapper_requests_total", map[string]string{"export": "main", "op": "read"}, 1},
+		{"nbdmapper_request_errors_total", map[string]string{"export": "main", "op": "read", "errno": "EIO"}, 1},
+		{"nbdmapper_request_errors_total", map[string]string{"export": "main", "op": "write", "errno": "EIO"}, 0},
+		{"nbdmapper_requests_total", map[string]string{"export": "small", "op": "flush"}, 1},
+		{"nbdmapper_request_duration_seconds", map[string]string{"export": "main", "op": "write"}, 8},
+		{"nbdmapper_request_duration_seconds", map[string]string{"export": "main", "op": "read"}, 1},
+		{"nbdmapper_connections_total", map[string]string{"export": "main"}, 1},
+		{"nbdmapper_connections_active", map[string]string{"export": "main"}, 0},
+		{"nbdmapper_requests_in_flight", map[string]string{"export": "main"}, 0},
+
+		// What reached the disks, as the recorders saw it.
+		{"nbdmapper_device_syncs_total", map[string]string{"device": disk0}, float64(rec0.Count(backing.OpSync))},
+		{"nbdmapper_device_syncs_total", map[string]string{"device": disk1}, float64(rec1.Count(backing.OpSync))},
+		{"nbdmapper_device_sync_duration_seconds", map[string]string{"device": disk0}, float64(rec0.Count(backing.OpSync))},
+		{"nbdmapper_device_discard_calls_total", map[string]string{"device": disk0}, float64(rec0.Count(backing.OpDiscard))},
+		{"nbdmapper_device_discard_calls_total", map[string]string{"device": disk1}, float64(rec1.Count(backing.OpDiscard))},
+		{"nbdmapper_device_discard_duration_seconds", map[string]string{"device": disk1, "op": "discard"}, float64(rec1.Count(backing.OpDiscard))},
+		{"nbdmapper_device_discard_bytes_total", map[string]string{"device": disk0}, float64(discardBytes(rec0))},
+		{"nbdmapper_device_discard_bytes_total", map[string]string{"device": disk1}, float64(discardBytes(rec1))},
+
+		// The trim covered 4 back-to-back segments on each disk: 4 ranges
+		// in, merged into one call, 3 merged away.
+		{"nbdmapper_device_discard_ranges_received_total", map[string]string{"device": disk0}, 4},
+		{"nbdmapper_device_discard_received_bytes_total", map[string]string{"device": disk1}, 4 * 524288},
+		{"nbdmapper_device_discard_calls_total", map[string]string{"device": disk0}, 1},
+		{"nbdmapper_device_discard_ranges_merged_total", map[string]string{"device": disk0}, 3},
+		{"nbdmapper_device_discard_ranges_merged_total", map[string]string{"device": disk1}, 3},
+
+		// main flushed twice with both disks written once: one sync each,
+		// the second flush skipped; small's flush needs disk 0 again.
+		{"nbdmapper_device_syncs_total", map[string]string{"device": disk1}, 1},
+		{"nbdmapper_device_flushes_total", map[string]string{"device": disk1}, 2},
+		{"nbdmapper_device_syncs_skipped_total", map[string]string{"device": disk1}, 1},
+		{"nbdmapper_device_flushes_total", map[string]string{"device": disk0}, 3},
+		{"nbdmapper_flushes_total", nil, 3},
+	}
+	for _, c := range checks {
+		m := find(fams, c.name, c.labels)
+		if m == nil {
+			t.Errorf("%s%v: missing", c.name, c.labels)
+			continue
+		}
+		if v := value(m); v != c.want {
+			t.Errorf("%s%v = %v, want %v", c.name, c.labels, v, c.want)
+		}
+	}
+}
+
+func discardBytes(r *backing.Recorder) int64 {
+	var n int64
+	for _, c := range r.Calls(backing.OpDiscard) {
+		if c.Err == nil {
+			n += c.Len
+		}
+	}
+	return n
+}
+
+// TestPromtoolCheckMetrics runs `promtool check metrics` on a live scrape
+// over HTTP, after traffic, and wants no output at all.
+func TestPromtoolCheckMetrics(t *testing.T) {
+	promtool := need(t, "promtool")
+	r := startRig(t)
+	runWorkload(t, r)
+	page := r.scrape(t)
+	if !bytes.Contains(page, []byte("nbdmapper_device_syncs_total{")) {
+		t.Fatalf("scrape lacks nbdmapper_device_syncs_total:\n%s", page)
+	}
+	cmd := exec.Command(promtool, "check", "metrics")
+	cmd.Stdin = bytes.NewReader(page)
+	out, err := cmd.CombinedOutput()
+	if err != nil || len(bytes.TrimSpace(out)) > 0 {
+		t.Errorf("promtool check metrics: %v\n%s", err, out)
+	}
+}
+
+// TestServe checks the HTTP side: /metrics in the text format, an index at
+// /, 404 elsewhere.
+func TestServe(t *testing.T) {
+	r := startRig(t)
+	page := string(r.scrape(t))
+	for _, want := range []string{
+		"# TYPE nbdmapper_requests_total counter",
+		"# TYPE nbdmapper_request_duration_seconds histogram",
+		"# TYPE go_goroutines gauge",
+		"# TYPE process_cpu_seconds_total counter",
+	} {
+		if !strings.Contains(page, want) {
+			t.Errorf("scrape lacks %q", want)
+		}
+	}
+	lines := strings.Split(page, "\n")
+	if i := slices.IndexFunc(lines, func(l string) bool { return strings.Contains(l, "offset") }); i >= 0 {
+		t.Errorf("a label mentions an offset: %s", lines[i])
+	}
+}
