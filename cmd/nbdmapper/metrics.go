@@ -1,0 +1,43 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/metrics"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+)
+
+// defaultMetricsAddr is where serve exposes /metrics unless --metrics says
+// otherwise: loopback only, since the metrics name files and exports.
+const defaultMetricsAddr = "127.0.0.1:9810"
+
+// startMetrics serves Prometheus metrics for srv and the engines at
+// http://addr/metrics until stop is called. It sets their Observe hooks, so
+// call it after building them and before srv.Serve. addr "" or "off"
+// disables metrics; stop is then a no-op. The listener is opened here, so a
+// busy port is an error at startup rather than a log line later.
+func startMetrics(addr string, log *slog.Logger, srv *nbdtarget.Server, f *flush.Engine, d *discard.Engine) (stop func(), err error) {
+	if addr == "" || addr == "off" {
+		return func() {}, nil
+	}
+	m := metrics.New(metrics.Config{Server: srv, Flush: f, Discard: d})
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--metrics: %w", err)
+	}
+	log.Info("metrics", "url", "http://"+l.Addr().String()+"/metrics")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := m.Serve(ctx, l); err != nil {
+			log.Error("metrics", "err", err)
+		}
+	}()
+	return func() { cancel(); <-done }, nil
+}
