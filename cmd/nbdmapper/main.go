@@ -99,6 +99,8 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.listen, "listen", "", "listen on HOST:PORT (default 127.0.0.1:10809 when no --socket)")
 	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")
 	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
+	var df discardFlags
+	df.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -116,6 +118,7 @@ func runServe(args []string) error {
 
 	flusher := flush.New()
 	discarder := discard.New()
+	df.apply(discarder)
 	pool := &backing.Pool{ReadOnly: sf.readOnly, Wrap: flusher.Track}
 	defer pool.Close()
 
@@ -205,4 +208,5 @@ func listen(sf serveFlags) ([]net.Listener, error) {
 
 func logStats(log *slog.Logger, f *flush.Engine, d *discard.Engine) {
 	logFlushStats(log, f)
+	logDiscardStats(log, d)
 }
