@@ -144,7 +144,7 @@ func TestDurabilitySIGKILL(t *testing.T) {
 	m := newModel(workers*perWorker, blockSize)
 	for round := range 3 {
 		socket := filepath.Join(dir, fmt.Sprintf("nbd%d.sock", round))
-		cmd := exec.Command(bin, "serve", "--socket", socket, "disk="+tablePath)
+		cmd := exec.Command(bin, "serve", "--metrics=off", "--socket", socket, "disk="+tablePath)
 		var stderr strings.Builder
 		cmd.Stderr = &stderr
 		if err := cmd.Start(); err != nil {

@@ -28,7 +28,7 @@ import (
 )
 
 const usage = `usage:
-  nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [NAME=TABLE_FILE ...]
+  nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off] [NAME=TABLE_FILE ...]
   nbdmapper check TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
@@ -90,6 +90,7 @@ type serveFlags struct {
 	socket, listen string
 	readOnly       bool
 	flushBaseline  string
+	metrics        string
 }
 
 func runServe(args []string) error {
@@ -98,6 +99,7 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.socket, "socket", "", "listen on this unix socket")
 	fs.StringVar(&sf.listen, "listen", "", "listen on HOST:PORT (default 127.0.0.1:10809 when no --socket)")
 	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")
+	fs.StringVar(&sf.metrics, "metrics", defaultMetricsAddr, "serve Prometheus /metrics on HOST:PORT ('off' disables)")
 	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
 	var df discardFlags
 	df.register(fs)
@@ -149,6 +151,11 @@ func runServe(args []string) error {
 		return err
 	}
 	srv := &nbdtarget.Server{Exports: exports, Logger: log}
+	stopMetrics, err := startMetrics(sf.metrics, log, srv, flusher, discarder)
+	if err != nil {
+		return err
+	}
+	defer stopMetrics()
 	errc := make(chan error, len(listeners))
 	for _, l := range listeners {
 		log.Info("listening", "addr", l.Addr().String())
