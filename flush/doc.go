@@ -40,29 +40,38 @@
 // them. A write that completes during a sync bumps written past the sync's
 // start, so the device stays dirty.
 //
-// Worked example, one device, writes w1..w4 by any connections, flushes
-// F1..F4 and syncs S1, S2 (time runs to the right; |===| is a sync in flight):
+// Worked example, one device; writes w1..w4 come from any connections,
+// flushes F1..F5 too; [---] is a sync in flight:
 //
-//	written  0     1     2           3           4
-//	writes   w1----w2---------w3--------------w4-----------------
-//	flushes           F1    F2       F3              F4
-//	                  need=2 need=2  need=3          need=4
-//	syncs             |==S1 start=2==|====S2 start=4====|
-//	synced   0                       2                  4
+//	time     ----------------------------------------------------------------------------------->
+//	writes   w1 w2                       w3                w4
+//	written   1  2                        3                 4
+//	flushes                 F1    F2           F3                 F4                         F5
+//	need                     2     2            3                  4                          4
+//	syncs                   [----- S1 start=2 -----][----- S2 start=3 -----][- S3 start=4 -]
+//	synced    0                                    2                       3               4
 //
-//	F1  dirty (need 2 > synced 0), nothing running: starts S1 with start 2.
-//	F2  arrives during S1 with need 2 <= S1's start: joins S1 (coalesced).
-//	w3  completes during S1: written 3 > S1's start, the device stays dirty.
-//	F3  need 3 > S1's start: queues for the next sync.
-//	S1  ends: synced = 2, F1 and F2 are answered; the queued sync S2 starts
-//	    now with start = written = 3 (w4 completes later; written becomes 4
-//	    only after S2 started... see F4).
-//	F4  arrives during S2 with need 4 > S2's start 3: queues for S3, or, if
-//	    nothing is written in between, is served by the sync after S2.
+//	F1  need 2 > synced 0, nothing running: starts S1, which covers 2 writes.
+//	F2  need 2 <= S1's start 2: nothing completed since S1 began; joins S1.
+//	w3  completes during S1: written 3 > 2, so the device stays dirty.
+//	F3  need 3 > S1's start: queues the next sync.
+//	S1  ends: synced = 2, F1 and F2 are answered; the queued S2 starts at
+//	    once with start = written = 3 and will answer F3.
+//	w4  completes during S2; F4 (need 4 > 3) queues S3, which starts when
+//	    S2 ends. Had ten flushes arrived during S2, S3 would serve them all.
+//	F5  need 4 <= synced 4: skipped, no sync at all.
 //
-// Three flushes needed data on the disk while S1 ran; they cost one sync
-// each for S1 and S2 instead of three. A fifth flush arriving after S2 with
-// no new writes is skipped (need <= synced) and costs nothing.
+// Five flushes cost three syncs, never two at once on the device, and a
+// flush on a device nobody wrote to since its last sync costs nothing.
+//
+// # FUA
+//
+// A FUA write must be durable before it is answered, but nothing else need
+// be. WriteFUA sends a write that lands on one device with pwritev2
+// RWF_DSYNC (the kernel writes back and flushes just that range) and leaves
+// the device's dirty state alone, since that write needs no later flush.
+// Devices without it, and writes spanning several devices, are written and
+// then flushed on just the devices they touched.
 //
 // # Errors
 //
