@@ -173,6 +173,9 @@ func (s *store) readMetadata(tableChunk uint32) error {
 	if err := s.setChunk(h.ChunkSectors); err != nil {
 		return fmt.Errorf("on-disk chunk size: %w", err)
 	}
+	if s.cowSize < (headerChunks+1)*s.chunk {
+		return fmt.Errorf("%w: %d bytes, on-disk chunk size %d sectors", ErrCOWSize, s.cowSize, s.chunkSectors)
+	}
 	s.perArea = uint64(s.chunk / exceptionSize)
 	if h.Version != diskVersion {
 		return fmt.Errorf("%w %d", ErrVersion, h.Version)

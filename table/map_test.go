@@ -323,7 +323,7 @@ func TestNew(t *testing.T) {
 }
 
 func TestTargets(t *testing.T) {
-	if got := strings.Join(Targets(), " "); got != "error linear striped zero" {
+	if got := strings.Join(Targets(), " "); got != "error linear snapshot snapshot-origin striped zero" {
 		t.Fatalf("Targets() = %q", got)
 	}
 }

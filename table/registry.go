@@ -34,6 +34,9 @@ var registry = map[string]Constructor{
 	"striped": newStriped,
 	"zero":    newZero,
 	"error":   newError,
+
+	"snapshot":        newSnapshot,
+	"snapshot-origin": newSnapshotOrigin,
 }
 
 // Targets lists the registered target names, sorted.

@@ -1,0 +1,109 @@
+package table
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/snapshot"
+)
+
+// ErrSnapshot wraps the snapshot targets' argument and store errors (the
+// snapshot package's sentinels are wrapped too: errors.Is works for both).
+var ErrSnapshot = errors.New("snapshot")
+
+// snapshot <origin> <cow> <P|PO|N> <chunk> [<#features> [discard_zeroes_cow] [discard_passdown_origin]]
+//
+// newSnapshot stacks a copy-on-write snapshot.Snapshot on the origin and
+// COW devices and maps the whole line to it. The line's offsets are the
+// origin's offsets (dm uses the bio's sector unchanged, so a snapshot line
+// normally starts at 0 and covers the origin). An existing persistent COW
+// keeps its on-disk chunk size, which Args then prints, as dmsetup does.
+func newSnapshot(open Opener, length Sector, args []string) (Target, error) {
+	if len(args) < 4 {
+		return nil, fmt.Errorf("%w: want <origin> <cow> <P|PO|N> <chunk> [<#features> <feature>...], got %d arguments", ErrArgCount, len(args))
+	}
+	var opt snapshot.Options
+	if len(args) > 4 {
+		n, err := parseUint32("#features", args[4])
+		if err != nil {
+			return nil, err
+		}
+		if n > 2 {
+			return nil, fmt.Errorf("%w: invalid number of feature arguments %d", ErrSnapshot, n)
+		}
+		if len(args) != 5+int(n) {
+			return nil, fmt.Errorf("%w: %d feature arguments announced, %d given", ErrArgCount, n, len(args)-5)
+		}
+		for _, f := range args[5:] {
+			switch strings.ToLower(f) {
+			case "discard_zeroes_cow":
+				opt.DiscardZeroesCOW = true
+			case "discard_passdown_origin":
+				opt.DiscardPassdownOrigin = true
+			default:
+				return nil, fmt.Errorf("%w: unrecognised feature %q", ErrSnapshot, f)
+			}
+		}
+	}
+	typ, err := snapshot.ParseType(args[2])
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
+	}
+	opt.Type = typ
+	chunk, err := parseUint32("chunk size", args[3])
+	if err != nil {
+		return nil, err
+	}
+	if chunk != 0 || typ == snapshot.Transient {
+		if err := snapshot.CheckChunk(chunk); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
+		}
+	}
+	opt.ChunkSectors = chunk
+	opt.Size = length.Bytes()
+	origin, originName, err := openArea(open, args[0], 0, length)
+	if err != nil {
+		return nil, err
+	}
+	cow, cowName, err := openArea(open, args[1], 0, 0)
+	if err != nil {
+		return nil, err
+	}
+	s, err := snapshot.Open("snapshot "+originName+" "+cowName, origin, cow, opt)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
+	}
+	return &snapshotTarget{s: s, origin: originName, cow: cowName, devs: flatten(s.Devices())}, nil
+}
+
+type snapshotTarget struct {
+	s           *snapshot.Snapshot
+	origin, cow string
+	devs        []backing.Device
+}
+
+func (t *snapshotTarget) Type() string   { return "snapshot" }
+func (t *snapshotTarget) Status() string { return t.s.Status() }
+
+func (t *snapshotTarget) Args() []string {
+	args := []string{t.origin, t.cow, t.s.Type().String(), strconv.FormatUint(uint64(t.s.ChunkSectors()), 10)}
+	return append(args, t.s.Features()...)
+}
+
+// Map sends the whole line to the stacked device, which does the
+// copy-on-write work itself.
+func (t *snapshotTarget) Map(off, n int64, emit func(Extent)) {
+	emit(Extent{Kind: KindMapped, Dev: t.s, Off: off, VOff: off, Len: n})
+}
+
+// Devices are the real devices below (COW and origin, with stacked
+// devices expanded), so that a flush syncs them, deduplicated with the
+// rest of the export; Snapshot.Sync itself syncs the COW.
+func (t *snapshotTarget) Devices() []backing.Device { return t.devs }
+
+// Close unregisters the snapshot from its origin and frees its COW device
+// for another table.
+func (t *snapshotTarget) Close() error { return t.s.Close() }

@@ -1,0 +1,47 @@
+package table
+
+import (
+	"fmt"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/snapshot"
+)
+
+// snapshot-origin <dev>
+//
+// newSnapshotOrigin passes the line through to <dev>, except that writes
+// (and discards and zeroing) first copy the chunks they change out to
+// every snapshot of <dev>, loaded in this table or any other. As in dm the
+// line's offsets are <dev>'s offsets.
+func newSnapshotOrigin(open Opener, length Sector, args []string) (Target, error) {
+	if len(args) != 1 {
+		return nil, fmt.Errorf("%w: want <dev>, got %d arguments", ErrArgCount, len(args))
+	}
+	dev, name, err := openArea(open, args[0], 0, length)
+	if err != nil {
+		return nil, err
+	}
+	o, err := snapshot.NewOrigin("snapshot-origin "+name, dev, length.Bytes())
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
+	}
+	return &originTarget{o: o, name: name, devs: flatten(o.Devices())}, nil
+}
+
+type originTarget struct {
+	o    *snapshot.Origin
+	name string
+	devs []backing.Device
+}
+
+func (t *originTarget) Type() string   { return "snapshot-origin" }
+func (t *originTarget) Status() string { return "" }
+func (t *originTarget) Args() []string { return []string{t.name} }
+
+func (t *originTarget) Map(off, n int64, emit func(Extent)) {
+	emit(Extent{Kind: KindMapped, Dev: t.o, Off: off, VOff: off, Len: n})
+}
+
+// Devices is the origin's real devices: copy-outs are synced to the COW
+// devices when committed, so only the origin needs a flush.
+func (t *originTarget) Devices() []backing.Device { return t.devs }
