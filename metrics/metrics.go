@@ -268,15 +268,3 @@ func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 	}
 	return err
 }
-
-// ListenAndServe listens on addr (HOST:PORT) and serves as Serve does. The
-// listener is opened before it returns an error or starts serving, so a
-// caller running it in a goroutine should prefer net.Listen plus Serve to
-// see bind errors at startup.
-func (m *Metrics) ListenAndServe(ctx context.Context, addr string) error {
-	l, err := net.Listen("tcp", addr)
-	if err != nil {
-		return err
-	}
-	return m.Serve(ctx, l)
-}

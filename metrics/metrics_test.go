@@ -266,3 +266,52 @@ func TestServe(t *testing.T) {
 		t.Errorf("a label mentions an offset: %s", lines[i])
 	}
 }
+
+// TestHistograms checks that the duration histograms carry both classic
+// buckets (for the dashboard and any Prometheus) and native buckets (for a
+// Prometheus with native histograms enabled), and count every observation.
+func TestHistograms(t *testing.T) {
+	r := startRig(t)
+	runWorkload(t, r)
+	fams := gather(t, r.metrics)
+	for _, c := range []struct {
+		name   string
+		labels map[string]string
+		count  uint64
+	}{
+		{"nbdmapper_request_duration_seconds", map[string]string{"export": "main", "op": "write"}, 8},
+		{"nbdmapper_device_sync_duration_seconds", map[string]string{"device": r.disks[1]}, 1},
+		{"nbdmapper_device_discard_duration_seconds", map[string]string{"device": r.disks[0], "op": "discard"}, 1},
+	} {
+		m := find(fams, c.name, c.labels)
+		if m == nil {
+			t.Errorf("%s%v: missing", c.name, c.labels)
+			continue
+		}
+		h := m.GetHistogram()
+		if h.GetSampleCount() != c.count {
+			t.Errorf("%s%v: %d samples, want %d", c.name, c.labels, h.GetSampleCount(), c.count)
+		}
+		if got := len(h.GetBucket()); got != len(latencyBuckets) {
+			t.Errorf("%s%v: %d classic buckets, want %d", c.name, c.labels, got, len(latencyBuckets))
+		}
+		if last := h.GetBucket()[len(h.GetBucket())-1]; last.GetCumulativeCount() != c.count {
+			t.Errorf("%s%v: %d samples up to %vs, want all %d", c.name, c.labels, last.GetCumulativeCount(), last.GetUpperBound(), c.count)
+		}
+		// Factor 1.1 is schema 3: 2^(2^-3) = 1.09 per bucket.
+		if h.Schema == nil || h.GetSchema() != 3 {
+			t.Errorf("%s%v: native schema %v, want 3", c.name, c.labels, h.Schema)
+		}
+		// Native bucket counts are delta-encoded: bucket i holds the sum
+		// of the first i+1 deltas. With the zero bucket they hold every
+		// observation.
+		native, running := h.GetZeroCount(), int64(0)
+		for _, d := range h.GetPositiveDelta() {
+			running += d
+			native += uint64(running)
+		}
+		if len(h.GetPositiveSpan()) == 0 || native != c.count {
+			t.Errorf("%s%v: native buckets hold %d samples in %d spans, want %d", c.name, c.labels, native, len(h.GetPositiveSpan()), c.count)
+		}
+	}
+}
