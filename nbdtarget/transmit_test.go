@@ -158,19 +158,29 @@ func TestReadWriteRoundTrip(t *testing.T) {
 	}
 	// Writes to a zero target are dropped; it still reads as zeros.
 	c.request(cmdWrite, 0, 3, offZero, 512, data[:512])
+	if _, e, _ := c.simple(0); e != 0 {
+		t.Fatalf("write to zero target: errno %d", e)
+	}
 	c.request(cmdRead, 0, 4, offZero, 512, nil)
-	c.simple(0)
 	if _, e, d := c.simple(512); e != 0 || !bytes.Equal(d, make([]byte, 512)) {
 		t.Fatalf("zero target read errno %d data %x...", e, d[:8])
 	}
 	// Trim and write zeroes make the range read as zeros.
+	// Requests in flight together may run in any order, so each waits for
+	// the previous reply.
 	for _, cmd := range []uint16{cmdWriteZeroes, cmdTrim} {
-		c.request(cmdWrite, 0, 5, 0, 4096, bytes.Repeat([]byte{1}, 4096))
-		c.request(cmdFlush, 0, 6, 0, 0, nil)
-		c.request(cmd, 0, 7, 0, 4096, nil)
-		for range 3 {
+		for _, r := range []request{
+			{Type: cmdWrite, Handle: 5, Length: 4096},
+			{Type: cmdFlush, Handle: 6},
+			{Type: cmd, Handle: 7, Length: 4096},
+		} {
+			var payload []byte
+			if r.Type == cmdWrite {
+				payload = bytes.Repeat([]byte{1}, 4096)
+			}
+			c.request(r.Type, 0, r.Handle, 0, r.Length, payload)
 			if _, e, _ := c.simple(0); e != 0 {
-				t.Fatalf("cmd %d errno %d", cmd, e)
+				t.Fatalf("cmd %d errno %d", r.Type, e)
 			}
 		}
 		c.request(cmdRead, 0, 8, 0, 4096, nil)
