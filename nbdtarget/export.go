@@ -46,24 +46,47 @@ func (x *Export) ReadAt(p []byte, off int64) error {
 // readAt is ReadAt that also reports the virtual offset of the extent that
 // failed, for the ERROR_OFFSET chunk of a structured reply.
 func (x *Export) readAt(p []byte, off int64) (failed int64, err error) {
-	x.Table.Map(off, int64(len(p)), func(e table.Extent) {
-		if err != nil {
-			return
-		}
-		buf := p[e.VOff-off : e.VOff-off+e.Len]
-		switch e.Kind {
-		case table.KindMapped:
-			_, err = e.Dev.ReadAt(buf, e.Off)
-		case table.KindZero:
-			clear(buf)
-		case table.KindError:
-			err = table.ErrTarget
-		}
-		if err != nil {
-			failed = e.VOff
-		}
-	})
+	r := readerPool.Get().(*extentReader)
+	r.p, r.off = p, off
+	x.Table.Map(off, int64(len(p)), r.emit)
+	failed, err = r.failed, r.err
+	*r = extentReader{emit: r.emit}
+	readerPool.Put(r)
 	return failed, err
+}
+
+// extentReader carries readAt's state through Table.Map. It is pooled with
+// its emit func bound once, so a read allocates no closure.
+type extentReader struct {
+	p      []byte
+	off    int64
+	err    error
+	failed int64
+	emit   func(table.Extent)
+}
+
+var readerPool = sync.Pool{New: func() any {
+	r := new(extentReader)
+	r.emit = r.read
+	return r
+}}
+
+func (r *extentReader) read(e table.Extent) {
+	if r.err != nil {
+		return
+	}
+	buf := r.p[e.VOff-r.off : e.VOff-r.off+e.Len]
+	switch e.Kind {
+	case table.KindMapped:
+		_, r.err = e.Dev.ReadAt(buf, e.Off)
+	case table.KindZero:
+		clear(buf)
+	case table.KindError:
+		r.err = table.ErrTarget
+	}
+	if r.err != nil {
+		r.failed = e.VOff
+	}
 }
 
 // Cache reads [off, off+n) through into the backing devices' caches (the
