@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
+	"io"
 	"sync"
 	"testing"
 	"time"
@@ -477,5 +479,29 @@ func TestStatsAndObserve(t *testing.T) {
 		if seen[i] != want[i] {
 			t.Errorf("observation %d = %v, want %v", i, seen[i], want[i])
 		}
+	}
+}
+
+// TestShutdownContext: a request that never finishes cannot hold Shutdown
+// past its context; the connection is closed and the error returned.
+func TestShutdownContext(t *testing.T) {
+	f := newTFix(t, nil)
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	c.request(cmdRead, 0, 1, offGate, 512, nil)
+	<-f.gate.entered
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- f.srv.Shutdown(ctx) }()
+	cancel()
+	// The worker is still inside ReadAt; Shutdown waits for it to return
+	// (it cannot be interrupted) but must not wait for the client.
+	close(f.gate.release)
+	if err := <-done; !errors.Is(err, context.Canceled) && err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	// The read's reply may or may not have been sent; then EOF.
+	if _, err := io.Copy(io.Discard, c.nc); err != nil {
+		t.Fatalf("connection after Shutdown: %v", err)
 	}
 }
