@@ -13,11 +13,12 @@
 #     dm-snapshot and ext4 (with their dependencies), mounts the host's root
 #     read-only over virtio-9p and chroots into it, so the host's fio,
 #     nbd-client, dmsetup and mkfs are the guest's;
-#   - has a scratch raw disk OUTDIR/disk.img (DISK_MiB, default 512) on
+#   - has a scratch raw disk OUTDIR/disk.img (DISK_MiB, default 256) on
 #     virtio-blk with cache=writeback, so guest flushes reach the host as
 #     fdatasync: it is /dev/vda in the guest;
 #   - has OUTDIR shared read-write at /tmp/vmout ($VMOUT), with the freshly
-#     built nbdmapper at $VMOUT/nbdmapper ($NBDMAPPER);
+#     built nbdmapper (or a copy of $NBDMAPPER_BIN) at $VMOUT/nbdmapper
+#     ($NBDMAPPER);
 #   - has no network; /tmp, /run and /var/tmp are tmpfs.
 # SCRIPT (a host path) runs under bash in the guest with ARGS, cwd $VMOUT.
 # Its exit status becomes run.sh's, and is printed as a marker line
@@ -30,7 +31,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 cache=${VMTEST_CACHE:-$here/cache}
-out="" disk_mb=512 mem_mb=2048 timeout_s=1200
+out="" disk_mb=256 mem_mb=2048 timeout_s=1200
 while getopts "o:d:m:t:" opt; do
 	case $opt in
 	o) out=$OPTARG ;;
@@ -136,8 +137,10 @@ if [ ! -f "$initrd" ] || [ "$(cat "$initrd.stamp" 2>/dev/null)" != "$stamp" ]; t
 	rm -rf "$stage"
 fi
 
-# the binary under test, when this checkout can build it.
-if command -v go >/dev/null && [ -d "$repo/cmd/nbdmapper" ]; then
+# the binary under test: $NBDMAPPER_BIN, or built from this checkout.
+if [ -n "${NBDMAPPER_BIN:-}" ]; then
+	cp "$NBDMAPPER_BIN" "$out/nbdmapper"
+elif command -v go >/dev/null && [ -d "$repo/cmd/nbdmapper" ]; then
 	if ! (cd "$repo" && CGO_ENABLED=0 go build -o "$out/nbdmapper" ./cmd/nbdmapper) >&2; then
 		log "go build ./cmd/nbdmapper failed; the guest gets no nbdmapper"
 		rm -f "$out/nbdmapper"

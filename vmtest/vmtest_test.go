@@ -1,0 +1,142 @@
+package vmtest
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// guestTests are the names tests.sh reports, in order.
+var guestTests = []string{"fs", "dm_linear", "flush", "discard", "snapshot"}
+
+// result is one VMTEST-RESULT line.
+type result struct{ status, detail string }
+
+// parseConsole collects VMTEST-RESULT and VMTEST-METRIC lines.
+func parseConsole(out []byte) (map[string]result, map[string]float64) {
+	results := map[string]result{}
+	metrics := map[string]float64{}
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := strings.TrimRight(sc.Text(), "\r")
+		if rest, ok := strings.CutPrefix(line, "VMTEST-RESULT "); ok {
+			f := strings.SplitN(rest, " ", 3)
+			if len(f) >= 2 {
+				r := result{status: f[1]}
+				if len(f) == 3 {
+					r.detail = f[2]
+				}
+				results[f[0]] = r
+			}
+		}
+		if rest, ok := strings.CutPrefix(line, "VMTEST-METRIC "); ok {
+			k, v, _ := strings.Cut(rest, "=")
+			if x, err := strconv.ParseFloat(v, 64); err == nil {
+				metrics[k] = x
+			}
+		}
+	}
+	return results, metrics
+}
+
+// TestGuest boots a guest and runs the kernel nbd suite (a few minutes
+// under TCG). It skips only when QEMU cannot run at all.
+func TestGuest(t *testing.T) {
+	if testing.Short() {
+		t.Skip("guest VM suite skipped in -short mode")
+	}
+	if _, err := exec.LookPath("bash"); err != nil {
+		t.Skip("no bash to run vmtest/run.sh")
+	}
+	out := t.TempDir()
+	cmd := exec.Command("bash", "run.sh", "-o", out, "guest/tests.sh")
+	cmd.Stderr = os.Stderr // progress: downloads, build, boot
+	console, err := cmd.Output()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) && ee.ExitCode() == 77 {
+		t.Skipf("SKIPPING the guest VM suite: QEMU cannot run here:\n%s", console)
+	}
+	t.Logf("guest console:\n%s", console)
+	if err != nil && !errors.As(err, &ee) {
+		t.Fatalf("run.sh: %v", err)
+	}
+	results, metrics := parseConsole(console)
+	if len(results) == 0 {
+		t.Fatalf("the guest reported no results (run.sh: %v)", err)
+	}
+	for _, name := range guestTests {
+		t.Run(name, func(t *testing.T) {
+			r, ok := results[name]
+			switch {
+			case !ok:
+				t.Fatal("no VMTEST-RESULT line for this test")
+			case r.status == "SKIP":
+				t.Skip(r.detail)
+			case r.status != "PASS":
+				t.Fatalf("%s: %s", r.status, r.detail)
+			}
+		})
+	}
+
+	// The guest script asserts these too; checking the figures here keeps
+	// a script that forgot to fail from passing silently.
+	t.Run("flush-figures", func(t *testing.T) {
+		nbd, disk := metrics["flush_nbdmapper_nbd_flushes"], metrics["flush_nbdmapper_disk_flushes"]
+		if nbd < 100 || disk > nbd*1.1+4 {
+			t.Errorf("nbdmapper: %v disk flushes for %v NBD flushes, want about one each", disk, nbd)
+		}
+		bnbd, bdisk := metrics["flush_baseline_nbd_flushes"], metrics["flush_baseline_disk_flushes"]
+		if bnbd < 1 || bdisk < bnbd*512 {
+			t.Errorf("per-segment baseline: %v disk flushes for %v NBD flushes, want ~1024 each", bdisk, bnbd)
+		}
+	})
+	t.Run("discard-figures", func(t *testing.T) {
+		trims, discards := metrics["discard_nbd_trims"], metrics["discard_disk_discards"]
+		if trims < 1 || discards > 4*trims+4 {
+			t.Errorf("%v disk discards for %v trims over 1024 segments, want them merged", discards, trims)
+		}
+	})
+}
+
+func TestParseConsole(t *testing.T) {
+	tests := []struct {
+		name    string
+		in      string
+		results map[string]result
+		metrics map[string]float64
+	}{
+		{"empty", "", map[string]result{}, map[string]float64{}},
+		{
+			"mixed with kernel noise and CRLF",
+			"[    3.1] nbd: loaded\r\nVMTEST-RESULT fs PASS 21.6s\r\nVMTEST-METRIC fs_files=25\r\n" +
+				"VMTEST-RESULT snapshot SKIP SKIP: no snapshot target\nVMTEST-METRIC bad=x\n",
+			map[string]result{"fs": {"PASS", "21.6s"}, "snapshot": {"SKIP", "SKIP: no snapshot target"}},
+			map[string]float64{"fs_files": 25},
+		},
+		{"status without detail", "VMTEST-RESULT x FAIL\n", map[string]result{"x": {"FAIL", ""}}, map[string]float64{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			r, m := parseConsole([]byte(tc.in))
+			if len(r) != len(tc.results) || len(m) != len(tc.metrics) {
+				t.Fatalf("got %v %v, want %v %v", r, m, tc.results, tc.metrics)
+			}
+			for k, v := range tc.results {
+				if r[k] != v {
+					t.Errorf("result %s = %v, want %v", k, r[k], v)
+				}
+			}
+			for k, v := range tc.metrics {
+				if m[k] != v {
+					t.Errorf("metric %s = %v, want %v", k, m[k], v)
+				}
+			}
+		})
+	}
+}
