@@ -8,6 +8,7 @@ cd "$(dirname "$0")"
 
 packages=(
 	libnbd-bin      # nbdinfo, nbdsh, nbdcopy
+	python3-libnbd  # nbdsh needs the nbd Python module
 	fio             # its nbd engine drives the server
 	qemu-utils      # qemu-img, qemu-io, qemu-nbd
 	nbdkit          # benchmark peer
