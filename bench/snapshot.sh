@@ -8,7 +8,8 @@
 # fio's nbd engine writes 4k at random with fsync=1 (a FLUSH after every
 # write), iodepth 1, one job, in four cases, interleaved REPS times:
 #
-#   base, direct         the linear table itself (reference)
+#   base, direct         the linear table itself, region written once
+#                        before measuring (reference)
 #   snap, steady state   a 64 MiB region whose chunks all have exceptions
 #                        already (written once before measuring): writes
 #                        go in place to the COW
@@ -74,7 +75,7 @@ run_fio() { # run_fio ID EXPORT SIZE
 
 # name | export | chunk | size | prefill
 cases=(
-	"base (1024 linear segments), direct|base|8|$region|"
+	"base (1024 linear segments), direct|base|8|$region|prefill"
 	"snap, steady state (chunks already copied)|snap|8|$region|prefill"
 	"snap, first write, chunk 8 (4 KiB)|snap|8|$((total * 512))|"
 	"snap, first write, chunk 32 (16 KiB)|snap|32|$((total * 512))|"
@@ -88,7 +89,7 @@ for ((rep = 1; rep <= reps; rep++)); do
 		fresh "$chunk"
 		serve "$id"
 		if [ -n "$prefill" ]; then
-			fio --name=prefill --ioengine=nbd "--uri=nbd+unix:///snap?socket=$sock" \
+			fio --name=prefill --ioengine=nbd "--uri=nbd+unix:///$export?socket=$sock" \
 				--rw=write --bs=1m --iodepth=4 --size="$size" >/dev/null
 		fi
 		run_fio "$id" "$export" "$size"
