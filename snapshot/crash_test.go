@@ -101,33 +101,38 @@ func TestCrashSIGKILL(t *testing.T) {
 			if st := s.Status(); st == "Invalid" {
 				t.Fatal("snapshot invalid after restart")
 			}
-			snap := readAll(t, s)
-			orig := readAll(t, originDev)
-			for i := 0; i < crashOps; i++ {
-				at := crashOff(i)
-				toOrigin := i%3 == 0
-				for sec := at; sec < at+crashLen; sec += 512 {
-					end := min(sec+512, at+crashLen)
-					newb := crashData(i)[:end-sec]
-					oldb := initial[sec:end]
-					// The device that op i did not write must be unchanged.
-					other, mine := snap, orig
-					if !toOrigin {
-						other, mine = orig, snap
-					}
-					if !bytes.Equal(other[sec:end], oldb) {
-						t.Fatalf("op %d (origin=%v): the other device changed at %d", i, toOrigin, sec)
-					}
-					switch got := mine[sec:end]; {
-					case bytes.Equal(got, newb):
-					case i <= acked:
-						t.Fatalf("op %d acknowledged and flushed, but missing at byte %d", i, sec)
-					case !bytes.Equal(got, oldb):
-						t.Fatalf("op %d: byte %d is neither old nor new", i, sec)
-					}
-				}
-			}
+			verifyCrash(t, initial, readAll(t, s), readAll(t, originDev), acked)
 		})
+	}
+}
+
+// verifyCrash checks the devices after a crash: every op up to acked is
+// present, the device an op did not write is unchanged, and everything
+// else is old or new, sector by sector.
+func verifyCrash(t *testing.T, initial, snap, orig []byte, acked int) {
+	t.Helper()
+	for i := 0; i < crashOps; i++ {
+		at := crashOff(i)
+		toOrigin := i%3 == 0
+		for sec := at; sec < at+crashLen; sec += 512 {
+			end := min(sec+512, at+crashLen)
+			newb := crashData(i)[:end-sec]
+			oldb := initial[sec:end]
+			other, mine := snap, orig
+			if !toOrigin {
+				other, mine = orig, snap
+			}
+			if !bytes.Equal(other[sec:end], oldb) {
+				t.Fatalf("op %d (origin=%v): the other device changed at %d", i, toOrigin, sec)
+			}
+			switch got := mine[sec:end]; {
+			case bytes.Equal(got, newb):
+			case i <= acked:
+				t.Fatalf("op %d acknowledged and flushed, but missing at byte %d", i, sec)
+			case !bytes.Equal(got, oldb):
+				t.Fatalf("op %d: byte %d is neither old nor new", i, sec)
+			}
+		}
 	}
 }
 
