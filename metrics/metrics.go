@@ -3,9 +3,12 @@ package metrics
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"runtime/debug"
+	"slices"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -35,6 +38,10 @@ type Config struct {
 // runtime and process collectors, and the histograms fed by the Observe
 // hooks.
 type Metrics struct {
+	// Routes are further handlers Serve mounts beside /metrics, by path
+	// (the serve command's /status and /table). Set before Serve.
+	Routes map[string]http.Handler
+
 	reg *prometheus.Registry
 
 	requestSeconds *prometheus.HistogramVec
@@ -237,18 +244,28 @@ func (m *Metrics) Handler() http.Handler {
 	})
 }
 
-// Serve serves /metrics on l until ctx is done, then shuts the HTTP server
+// Serve serves /metrics (and Routes) on l until ctx is done, then shuts the HTTP server
 // down. It returns nil after a shutdown caused by ctx.
 func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", m.Handler())
+	paths := []string{"/metrics"}
+	for path, h := range m.Routes {
+		mux.Handle(path, h)
+		paths = append(paths, path)
+	}
+	slices.Sort(paths)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/" {
 			http.NotFound(w, r)
 			return
 		}
 		w.Header().Set("Content-Type", "text/html; charset=utf-8")
-		w.Write([]byte(`<html><body><a href="/metrics">/metrics</a></body></html>` + "\n"))
+		io.WriteString(w, "<html><body>")
+		for _, p := range paths {
+			fmt.Fprintf(w, "<a href=%q>%s</a><br>\n", p, p)
+		}
+		io.WriteString(w, "</body></html>\n")
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	shut := make(chan struct{})

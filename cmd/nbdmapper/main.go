@@ -32,6 +32,7 @@ const usage = `usage:
   nbdmapper check TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
+  nbdmapper status [--table] [--metrics HOST:PORT]   ask a running server, like dmsetup status/table
 
 With no arguments at all, nbdmapper serves a built-in demo.
 `
@@ -42,6 +43,7 @@ var commands = map[string]func(args []string) error{
 	"check":  runCheck,
 	"attach": runAttach,
 	"detach": runDetach,
+	"status": runStatus,
 }
 
 func main() {
@@ -107,6 +109,8 @@ func runServe(args []string) error {
 		return err
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 
 	specs := fs.Args()
 	demo := len(specs) == 0
@@ -124,26 +128,31 @@ func runServe(args []string) error {
 	pool := &backing.Pool{ReadOnly: sf.readOnly, Wrap: flusher.Track}
 	defer pool.Close()
 
-	var exports []*nbdtarget.Export
-	for _, spec := range specs {
+	defs := make([]table.Def, len(specs))
+	for i, spec := range specs {
 		name, file, ok := strings.Cut(spec, "=")
 		if !ok || name == "" || file == "" {
 			return fmt.Errorf("export %q: want NAME=TABLE_FILE", spec)
 		}
-		t, err := loadTable(file, pool)
-		if err != nil {
-			return err
-		}
-		exports = append(exports, &nbdtarget.Export{
-			Name:            name,
-			Description:     file,
+		defs[i] = table.Def{Name: name, File: file}
+	}
+	tables, err := table.ParseSet(defs, pool)
+	if err != nil {
+		return err
+	}
+	exports := make([]*nbdtarget.Export, len(tables))
+	for i, t := range tables {
+		defer t.Close()
+		exports[i] = &nbdtarget.Export{
+			Name:            defs[i].Name,
+			Description:     defs[i].File,
 			Table:           t,
 			ReadOnly:        sf.readOnly,
 			Flush:           flusher,
 			Discard:         discarder,
 			PerSegmentFlush: sf.flushBaseline == "per-segment",
-		})
-		log.Info("export", "name", name, "table", file, "bytes", t.Size(), "segments", len(t.Lines))
+		}
+		log.Info("export", "name", defs[i].Name, "table", defs[i].File, "bytes", t.Size(), "segments", len(t.Lines))
 	}
 
 	listeners, err := listen(sf)
@@ -151,7 +160,7 @@ func runServe(args []string) error {
 		return err
 	}
 	srv := &nbdtarget.Server{Exports: exports, Logger: log}
-	stopMetrics, err := startMetrics(sf.metrics, log, srv, flusher, discarder)
+	stopMetrics, err := startMetrics(sf.metrics, log, srv, flusher, discarder, statusRoutes(exports))
 	if err != nil {
 		return err
 	}
@@ -165,8 +174,6 @@ func runServe(args []string) error {
 		printDemoHelp(os.Stdout, listeners[0].Addr(), exports[0])
 	}
 
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 	select {
 	case s := <-sig:
 		log.Info("shutting down", "signal", s.String())

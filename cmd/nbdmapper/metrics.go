@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
@@ -17,15 +18,16 @@ import (
 const defaultMetricsAddr = "127.0.0.1:9810"
 
 // startMetrics serves Prometheus metrics for srv and the engines at
-// http://addr/metrics until stop is called. It sets their Observe hooks, so
+// http://addr/metrics, and routes beside it, until stop is called. It sets their Observe hooks, so
 // call it after building them and before srv.Serve. addr "" or "off"
 // disables metrics; stop is then a no-op. The listener is opened here, so a
 // busy port is an error at startup rather than a log line later.
-func startMetrics(addr string, log *slog.Logger, srv *nbdtarget.Server, f *flush.Engine, d *discard.Engine) (stop func(), err error) {
+func startMetrics(addr string, log *slog.Logger, srv *nbdtarget.Server, f *flush.Engine, d *discard.Engine, routes map[string]http.Handler) (stop func(), err error) {
 	if addr == "" || addr == "off" {
 		return func() {}, nil
 	}
 	m := metrics.New(metrics.Config{Server: srv, Flush: f, Discard: d})
+	m.Routes = routes
 	l, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("--metrics: %w", err)

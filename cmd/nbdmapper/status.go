@@ -1,0 +1,63 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+)
+
+// statusRoutes serves what `dmsetup status` and `dmsetup table` print for
+// every device of a running server, as /status and /table on its HTTP
+// listener: `NAME: <start> <length> <target> <status or args>`.
+func statusRoutes(exports []*nbdtarget.Export) map[string]http.Handler {
+	page := func(lines func(*nbdtarget.Export) string) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+			for _, x := range exports {
+				for _, line := range strings.SplitAfter(lines(x), "\n") {
+					if line != "" {
+						fmt.Fprintf(w, "%s: %s", x.Name, line)
+					}
+				}
+			}
+		})
+	}
+	return map[string]http.Handler{
+		"/status": page(func(x *nbdtarget.Export) string { return x.Table.Status() }),
+		"/table":  page(func(x *nbdtarget.Export) string { return x.Table.String() }),
+	}
+}
+
+// runStatus asks a running `nbdmapper serve` for its devices' status lines
+// (or, with --table, their tables), like dmsetup status / dmsetup table.
+func runStatus(args []string) error {
+	fs := flag.NewFlagSet("status", flag.ContinueOnError)
+	addr := fs.String("metrics", defaultMetricsAddr, "the server's --metrics HOST:PORT")
+	tableOut := fs.Bool("table", false, "print the tables instead of their status")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 0 {
+		return errors.New("status takes no arguments")
+	}
+	path := "/status"
+	if *tableOut {
+		path = "/table"
+	}
+	resp, err := http.Get("http://" + *addr + path)
+	if err != nil {
+		return fmt.Errorf("is nbdmapper serve running with --metrics %s? %w", *addr, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s%s: %s", *addr, path, resp.Status)
+	}
+	_, err = io.Copy(os.Stdout, resp.Body)
+	return err
+}
