@@ -61,9 +61,9 @@ test_fs() {
 
 # 2. The kernel's dm-linear over the same table reads what nbdmapper wrote,
 # nbdmapper reads what dm-linear wrote, and in the end the two devices are
-# identical byte for byte.
+# identical byte for byte. nbdmapper attaches with two connections here.
 test_dm_linear() {
-	serve "$table" && attach || return 1
+	serve "$table" && attach /dev/nbd0 --connections 2 || return 1
 	dmsetup create nbdmx --table "$(cat "$table")" || return 1
 	[ -b /dev/mapper/nbdmx ] || dmsetup mknodes nbdmx
 	local size off
@@ -170,6 +170,28 @@ test_discard() {
 	fi
 }
 
+# nbd-client attaches nbdmapper too, passing its flags: fsync becomes an
+# NBD flush and blkdiscard a trim.
+test_nbd_client() {
+	serve "$table" || return 1
+	nbd-client -unix "$sock" /dev/nbd0 -N d -b 4096 || return 1
+	local f0 t0
+	head -c $((1 << 20)) /dev/urandom >/tmp/pat3
+	f0=$(blkstat nbd0 16) t0=$(blkstat nbd0 12)
+	dd if=/tmp/pat3 of=/dev/nbd0 bs=64k seek=17 conv=fsync status=none || return 1
+	blkdiscard -o $((64 << 20)) -l $((8 << 20)) /dev/nbd0 || return 1
+	echo 3 >/proc/sys/vm/drop_caches
+	cmp -n $((1 << 20)) /tmp/pat3 <(dd if=/dev/nbd0 bs=64k skip=17 iflag=direct status=none) || return 1
+	local f=$(($(blkstat nbd0 16) - f0)) t=$(($(blkstat nbd0 12) - t0))
+	nbd-client -d /dev/nbd0 || return 1
+	metric nbd_client_flushes "$f"
+	metric nbd_client_trims "$t"
+	if ((f < 1 || t < 1)); then
+		say "nbd-client: $f flushes, $t trims reached nbd0"
+		return 1
+	fi
+}
+
 # 5. Kernel dm-snapshot and nbdmapper read each other's COW stores.
 test_snapshot() {
 	printf '0 8 snapshot %s %s P 8\n' "$disk" "$disk" >/tmp/snap-probe
@@ -181,7 +203,7 @@ test_snapshot() {
 	return 77
 }
 
-all=(fs dm_linear flush discard snapshot)
+all=(fs dm_linear flush discard nbd_client snapshot)
 [ $# -gt 0 ] && all=("$@")
 if [ ! -x "$NBDMAPPER" ]; then
 	for t in "${all[@]}"; do result "$t" FAIL "no nbdmapper binary (did go build fail?)"; done
