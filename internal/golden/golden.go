@@ -36,7 +36,7 @@ func Check(t testing.TB, path, got string) {
 		t.Fatalf("%v (go test -update creates it)", err)
 	}
 	if got != string(want) {
-		t.Errorf("%s differs from the golden file at %s (go test -update rewrites it)\n--- got\n%s--- want\n%s",
+		t.Errorf("%s differs from the golden file (go test -update rewrites it), first at %s\n--- got\n%s--- want\n%s",
 			path, firstDiff(got, string(want)), got, want)
 	}
 }
