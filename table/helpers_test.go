@@ -2,19 +2,14 @@ package table
 
 import (
 	"errors"
-	"flag"
 	"fmt"
 	"io/fs"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 )
-
-var update = flag.Bool("update", false, "rewrite golden files under testdata/")
 
 // memOpener is the tests' Opener: a fixed set of in-memory devices by name,
 // and fs.ErrNotExist for anything else, as a *backing.Pool would say for a
@@ -80,25 +75,6 @@ func sameTable(a, b *Table) string {
 		}
 	}
 	return ""
-}
-
-// golden compares got with testdata/name, or rewrites it with -update.
-func golden(t *testing.T, name, got string) {
-	t.Helper()
-	path := filepath.Join("testdata", name)
-	if *update {
-		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run with -update to create it)", err)
-	}
-	if got != string(want) {
-		t.Errorf("%s differs from golden file (run with -update to accept):\n--- got\n%s\n--- want\n%s", path, got, want)
-	}
 }
 
 // mustParse parses text or fails the test.

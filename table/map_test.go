@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/golden"
 )
 
 // loc is where one virtual sector lives, computed without the mapping code.
@@ -262,7 +263,7 @@ func TestMapGolden(t *testing.T) {
 		}
 		b.WriteString("\n")
 	}
-	golden(t, "map/plans.golden", b.String())
+	golden.Check(t, "testdata/map/plans.golden", b.String())
 }
 
 // TestTargetText checks Args and Status of each target type as dmsetup

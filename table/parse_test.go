@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/golden"
 )
 
 func TestParseErrors(t *testing.T) {
@@ -105,7 +106,7 @@ func TestParseErrors(t *testing.T) {
 		})
 	}
 	// The messages themselves, for review: they are what users read.
-	golden(t, "errors.golden", msgs.String())
+	golden.Check(t, "testdata/errors.golden", msgs.String())
 }
 
 type iotestErr struct{ err error }
@@ -153,7 +154,7 @@ func TestParseGolden(t *testing.T) {
 					fmt.Fprintf(&b, "# status line %d: %s\n", i+1, s)
 				}
 			}
-			golden(t, "parse/"+name+".golden", b.String())
+			golden.Check(t, "testdata/parse/"+name+".golden", b.String())
 		})
 	}
 }
