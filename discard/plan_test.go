@@ -1,16 +1,12 @@
 package discard
 
 import (
-	"flag"
-	"os"
-	"path/filepath"
 	"slices"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/golden"
 )
-
-var update = flag.Bool("update", false, "rewrite the golden files under testdata/")
 
 // limited is an in-memory device with chosen discard limits.
 type limited struct {
@@ -25,24 +21,6 @@ func dev(name string, granularity, maxBytes int64) backing.Device {
 }
 
 func r(off, n int64) backing.Range { return backing.Range{Off: off, Len: n} }
-
-func golden(t *testing.T, name, got string) {
-	t.Helper()
-	path := filepath.Join("testdata", name+".golden")
-	if *update {
-		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test -update to create it)", err)
-	}
-	if got != string(want) {
-		t.Errorf("%s differs from the golden file (go test -update rewrites it)\ngot:\n%s\nwant:\n%s", path, got, want)
-	}
-}
 
 func TestPlanGolden(t *testing.T) {
 	const K = 1024
@@ -78,7 +56,7 @@ func TestPlanGolden(t *testing.T) {
 			}
 			p := plan(tc.op, devs)
 			checkPlan(t, p)
-			golden(t, "plan-"+tc.name, p.String())
+			golden.Check(t, "testdata/plan-"+tc.name+".golden", p.String())
 		})
 	}
 }
