@@ -4,9 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
-	"flag"
 	"fmt"
-	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -16,10 +14,9 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/golden"
 	"golang.org/x/sys/unix"
 )
-
-var update = flag.Bool("update", false, "rewrite golden files in testdata/")
 
 // disk is a tracked fault-injecting in-memory device: what reaches inner is
 // what a crash would leave.
@@ -70,24 +67,6 @@ func waitRequested(e *Engine, name string, n uint64) {
 	for devStats(e, name).Requested < n {
 		runtime.Gosched()
 		time.Sleep(time.Millisecond)
-	}
-}
-
-func golden(t *testing.T, got string) {
-	t.Helper()
-	path := filepath.Join("testdata", strings.ReplaceAll(t.Name(), "/", "_")+".golden")
-	if *update {
-		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run with -update to create it)", err)
-	}
-	if got != string(want) {
-		t.Errorf("plan differs from %s:\n--- got\n%s--- want\n%s", path, got, want)
 	}
 }
 
@@ -199,7 +178,8 @@ func TestPlanGolden(t *testing.T) {
 			tc.run(t, New(), func(label string, p Plan) {
 				fmt.Fprintf(&out, "# %s\n%s\n", label, p)
 			})
-			golden(t, out.String())
+			path := filepath.Join("testdata", strings.ReplaceAll(t.Name(), "/", "_")+".golden")
+			golden.Check(t, path, out.String())
 		})
 	}
 }
