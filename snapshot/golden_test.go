@@ -2,17 +2,14 @@ package snapshot
 
 import (
 	"bytes"
-	"flag"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/golden"
 )
-
-var update = flag.Bool("update", false, "rewrite the golden files in testdata/")
 
 // goldenSeq is a small known sequence of writes on a snapshot and its
 // origin; its COW bytes are the golden output. The origin starts with each
@@ -102,38 +99,9 @@ func TestGoldenCOW(t *testing.T) {
 				t.Fatal(err)
 			}
 			got := fmt.Sprintf("# %s: status %s\n%s", g.name, s.Status(), hexdump(raw))
-			path := filepath.Join("testdata", g.name+".cow.txt")
-			if *update {
-				if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
-					t.Fatal(err)
-				}
-			}
-			want, err := os.ReadFile(path)
-			if err != nil {
-				t.Fatalf("%v (run with -update to create)", err)
-			}
-			if got != string(want) {
-				t.Errorf("COW bytes differ from %s (run with -update if intended):\n%s", path, firstDiff(got, string(want)))
-			}
+			golden.Check(t, filepath.Join("testdata", g.name+".cow.txt"), got)
 		})
 	}
-}
-
-func firstDiff(got, want string) string {
-	g, w := strings.Split(got, "\n"), strings.Split(want, "\n")
-	for i := 0; i < max(len(g), len(w)); i++ {
-		var a, b string
-		if i < len(g) {
-			a = g[i]
-		}
-		if i < len(w) {
-			b = w[i]
-		}
-		if a != b {
-			return fmt.Sprintf("line %d:\n got %s\nwant %s", i+1, a, b)
-		}
-	}
-	return ""
 }
 
 // hexdump renders b as `hexdump -C` does: 16 bytes a line, a line equal to
