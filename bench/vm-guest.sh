@@ -7,11 +7,15 @@
 # block layer merges flushes that are pending together, so dm's 1024
 # per-target flushes show up as fewer).
 #
-#   vm-guest.sh RUNTIME_S [CASE...]
+#   vm-guest.sh RUNTIME_S REPS [CASE...]
+#
+# With REPS > 1 the cases run in REPS interleaved rounds, so that a slow
+# spell of the (shared) host hits every case alike.
 set -uo pipefail
 . "$VMTEST_REPO/vmtest/guest/lib.sh"
 runtime=${1:-20}
-shift || true
+reps=${2:-1}
+shift 2 || shift $#
 cases=(nbdmapper-1 nbdmapper-1024 dm-1 dm-1024 nbdmapper-1024-per-segment)
 [ $# -gt 0 ] && cases=("$@")
 
@@ -31,7 +35,9 @@ run_fio() {
 	echo "VMBENCH $name $iops $bw $((kib / 4)) $(($(blkstat "$disk" 16) - d0))"
 }
 
-for c in "${cases[@]}"; do
+rounds=()
+for ((r = 0; r < reps; r++)); do rounds+=("${cases[@]}"); done
+for c in "${rounds[@]}"; do
 	segs=${c#*-}
 	segs=${segs%%-*}
 	gen_table "$segs" "$disk" >/tmp/bench.table

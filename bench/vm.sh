@@ -7,18 +7,22 @@
 # flush per target). Also nbdmapper with --flush-baseline per-segment, the
 # same behaviour inside nbdmapper.
 #
-#   bench/vm.sh [RUNTIME_S] [CASE...]
+#   bench/vm.sh [RUNTIME_S] [REPS] [CASE...]
 #
+# Cases: nbdmapper-1 nbdmapper-1024 dm-1 dm-1024 nbdmapper-1024-per-segment
+# (default: all). REPS interleaved rounds (default 1); IOPS and KiB/s are
+# medians over the rounds, fdatasyncs and disk flushes sums.
 # Prints a markdown table; the guest's console and results land in
 # bench/results/vm-<time>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runtime=${1:-20}
-shift || true
+reps=${2:-1}
+shift 2 || shift $#
 out=bench/results/vm-$(date +%Y%m%d-%H%M%S)
 mkdir -p "$out"
 set +e
-vmtest/run.sh -o "$out" -d 1024 -t 3600 bench/vm-guest.sh "$runtime" "$@" >"$out/guest.log"
+vmtest/run.sh -o "$out" -d 1024 -t 3600 bench/vm-guest.sh "$runtime" "$reps" "$@" >"$out/guest.log"
 rc=$?
 set -e
 if [ "$rc" != 0 ]; then
@@ -32,18 +36,30 @@ cpu=$(awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo)
 kernel=$(sed -n 's/^VMTEST-BOOTED //p' "$out/guest.log" | tr -d '\r')
 echo "host: $(nproc) CPUs, $cpu, kernel $(uname -r), $(qemu-system-x86_64 --version | head -1)"
 echo "guest: kernel $kernel, TCG 2 vCPUs, 1 GiB raw disk on virtio-blk cache=writeback, $(fio --version)"
-echo "fio: 4k randwrite, ioengine=sync, fdatasync=1, numjobs=2, runtime ${runtime}s"
+echo "fio: 4k randwrite, ioengine=sync, fdatasync=1, numjobs=2, runtime ${runtime}s, $reps interleaved round(s), medians"
 echo
-echo "| case | IOPS | KiB/s | fdatasyncs | disk flushes | disk flushes per fdatasync | vs nbdmapper 1 segment |"
-echo "|---|---:|---:|---:|---:|---:|---:|"
+echo "| case | IOPS | KiB/s | IOPS per round | fdatasyncs | disk flushes | disk flushes per fdatasync | vs nbdmapper 1 segment |"
+echo "|---|---:|---:|---|---:|---:|---:|---:|"
 tr -d '\r' <"$out/guest.log" | awk '
-	$1 == "VMBENCH" { name[n++] = $2; iops[$2] = $3; bw[$2] = $4; fl[$2] = $5; dfl[$2] = $6 }
+	function median(c,   k, i, j, t, a) {
+		k = runs[c]
+		for (i = 1; i <= k; i++) a[i] = iops[c, i]
+		for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+		return k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
+	}
+	$1 == "VMBENCH" {
+		c = $2
+		if (!(c in runs)) name[n++] = c
+		runs[c]++
+		iops[c, runs[c]] = $3; fl[c] += $5; dfl[c] += $6
+		all[c] = all[c] (all[c] == "" ? "" : ", ") $3
+	}
 	END {
-		base = iops["nbdmapper-1"]
+		base = ("nbdmapper-1" in runs) ? median("nbdmapper-1") : 0
 		for (i = 0; i < n; i++) {
-			c = name[i]
+			c = name[i]; m = median(c)
 			r = fl[c] > 0 ? sprintf("%.2f", dfl[c] / fl[c]) : "-"
-			v = base > 0 ? sprintf("%.3f", iops[c] / base) : "-"
-			printf "| %s | %d | %d | %d | %d | %s | %s |\n", c, iops[c], bw[c], fl[c], dfl[c], r, v
+			v = base > 0 ? sprintf("%.3f", m / base) : "-"
+			printf "| %s | %d | %d | %s | %d | %d | %s | %s |\n", c, m, m * 4, all[c], fl[c], dfl[c], r, v
 		}
 	}'
