@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // BenchmarkPipelined4K measures 4 KiB requests with 32 in flight on one
@@ -22,7 +23,7 @@ func BenchmarkPipelined4K(b *testing.B) {
 			mem := backing.NewMem("m", 64<<20)
 			mem.WriteAt(make([]byte, 64<<20), 0) // allocate every page
 			srv := &Server{Exports: []*Export{newExport(b, "m", seg{len: 64 << 20, dev: mem})}}
-			sock := startServer(b, srv)
+			sock := nbdtest.ServeUnix(b, srv, ErrServerClosed)
 			nc, err := net.Dial("unix", sock)
 			if err != nil {
 				b.Fatal(err)

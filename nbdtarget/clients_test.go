@@ -14,6 +14,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -68,7 +69,7 @@ type diskFix struct {
 }
 
 func (f *diskFix) uri(export string) string {
-	return fmt.Sprintf("nbd+unix:///%s?socket=%s", export, f.sock)
+	return nbdtest.URI(f.sock, export)
 }
 
 // newDiskFix serves "disk" (the table above) and "ro" (a read-only linear
@@ -101,7 +102,7 @@ func newDiskFix(t *testing.T) *diskFix {
 	ro := &Export{Name: "ro", Table: parse("ro", "0 2048 linear "+f.files["A"]+" 0\n"), ReadOnly: true,
 		Flush: flush.New(), Discard: discard.New()}
 	f.srv = &Server{Exports: []*Export{disk, ro}}
-	f.sock = startServer(t, f.srv)
+	f.sock = nbdtest.ServeUnix(t, f.srv, ErrServerClosed)
 	return f
 }
 
@@ -138,12 +139,18 @@ func need(t *testing.T, tools ...string) {
 
 func run(t *testing.T, name string, args ...string) string {
 	t.Helper()
-	cmd := exec.Command(name, args...)
+	return output(t, exec.Command(name, args...))
+}
+
+// output runs cmd and returns its standard output, failing the test with
+// both outputs if it fails.
+func output(t *testing.T, cmd *exec.Cmd) string {
+	t.Helper()
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("%s %s: %v\nstdout: %s\nstderr: %s", name, strings.Join(args, " "), err, out, stderr.String())
+		t.Fatalf("%s: %v\nstdout: %s\nstderr: %s", strings.Join(cmd.Args, " "), err, out, stderr.String())
 	}
 	return string(out)
 }
@@ -311,8 +318,6 @@ func TestQemuIO(t *testing.T) {
 // TestNbdsh drives every command through libnbd's Python bindings,
 // including many asynchronous requests in flight at once.
 func TestNbdsh(t *testing.T) {
-	need(t, "nbdsh")
-	py := nbdPython(t)
 	f := newDiskFix(t)
 	script := `
 import nbd
@@ -376,7 +381,7 @@ while h.aio_in_flight() > 0:
     h.poll(-1)
 print("OK", peak)
 `
-	out := run(t, py, "-m", "nbd", "-c", fmt.Sprintf("URI = %q", f.uri("disk")), "-c", script)
+	out := output(t, nbdtest.Nbdsh(t, "-c", fmt.Sprintf("URI = %q", f.uri("disk")), "-c", script))
 	if !strings.HasPrefix(out, "OK ") {
 		t.Fatalf("nbdsh: %s", out)
 	}
@@ -394,20 +399,6 @@ print("OK", peak)
 			t.Errorf("no %s request counted: %+v", op, st.Ops)
 		}
 	}
-}
-
-// nbdPython finds a python3 that can import libnbd's bindings. nbdsh is
-// `python3 -m nbd` with whatever python3 comes first in PATH, which may be a
-// private interpreter without the Debian package's module.
-func nbdPython(t *testing.T) string {
-	t.Helper()
-	for _, py := range []string{"python3", "/usr/bin/python3"} {
-		if exec.Command(py, "-c", "import nbd").Run() == nil {
-			return py
-		}
-	}
-	t.Skip("no python3 with the nbd module (Debian package python3-libnbd)")
-	return ""
 }
 
 func firstDiff(a, b []byte) int {

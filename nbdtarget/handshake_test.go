@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 const (
@@ -246,7 +247,7 @@ func TestHandshake(t *testing.T) {
 		}},
 	}
 	srv := twoExports(t)
-	sock := startServer(t, srv)
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			c := dialRaw(t, sock)

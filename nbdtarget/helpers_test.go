@@ -1,9 +1,7 @@
 package nbdtarget
 
 import (
-	"context"
 	"errors"
-	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -94,33 +92,6 @@ func sparseFile(t testing.TB, pool *backing.Pool, dir, name string, size int64) 
 		t.Fatal(err)
 	}
 	return d, path
-}
-
-// startServer serves exports on a fresh unix socket and returns its path.
-// The server is shut down when the test ends.
-func startServer(t testing.TB, srv *Server) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "nbdt")
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(dir, "s")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(l) }()
-	t.Cleanup(func() {
-		if err := srv.Shutdown(context.Background()); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-		if err := <-done; !errors.Is(err, ErrServerClosed) {
-			t.Errorf("Serve returned %v, want ErrServerClosed", err)
-		}
-		os.RemoveAll(dir)
-	})
-	return sock
 }
 
 // gateDev blocks ReadAt at one device offset until released, to force

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -57,7 +58,7 @@ func newTFix(t *testing.T, srv *Server) *tfix {
 	}
 	srv.Exports = []*Export{x, ro}
 	f.srv = srv
-	f.sock = startServer(t, srv)
+	f.sock = nbdtest.ServeUnix(t, srv, ErrServerClosed)
 	return f
 }
 
