@@ -2,20 +2,15 @@ package discard_test
 
 import (
 	"bufio"
-	"context"
-	"errors"
 	"fmt"
 	"io"
-	"net"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
 
@@ -23,46 +18,14 @@ import (
 // for libnbd.
 func serve(t *testing.T, x *nbdtarget.Export) string {
 	t.Helper()
-	if _, err := exec.LookPath("nbdsh"); err != nil {
-		t.Skip("nbdsh not installed (Debian package libnbd-bin)")
-	}
-	dir, err := os.MkdirTemp("", "discard") // short: unix socket paths are limited
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(dir, "s")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
 	srv := &nbdtarget.Server{Exports: []*nbdtarget.Export{x}}
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(l) }()
-	t.Cleanup(func() {
-		if err := srv.Shutdown(context.Background()); err != nil {
-			t.Errorf("Shutdown: %v", err)
-		}
-		if err := <-done; !errors.Is(err, nbdtarget.ErrServerClosed) {
-			t.Errorf("Serve: %v", err)
-		}
-		os.RemoveAll(dir)
-	})
-	return fmt.Sprintf("nbd+unix:///%s?socket=%s", x.Name, sock)
+	return nbdtest.URI(nbdtest.ServeUnix(t, srv, nbdtarget.ErrServerClosed), x.Name)
 }
 
-// nbdshCmd runs a Python script against uri with h connected. nbdsh runs
-// `python3 -m nbd`: the python3 installed beside it has the module, another
-// one earlier on PATH may not.
-func nbdshCmd(uri, script string) *exec.Cmd {
-	path, _ := exec.LookPath("nbdsh")
-	cmd := exec.Command(path, "-u", uri, "-c", script)
-	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(path)+string(filepath.ListSeparator)+os.Getenv("PATH"))
-	return cmd
-}
-
+// nbdsh runs a Python script against uri with h connected.
 func nbdsh(t *testing.T, uri, script string) {
 	t.Helper()
-	out, err := nbdshCmd(uri, script).CombinedOutput()
+	out, err := nbdtest.Nbdsh(t, "-u", uri, "-c", script).CombinedOutput()
 	if err != nil {
 		t.Fatalf("nbdsh: %v\n%s", err, out)
 	}
@@ -113,7 +76,7 @@ func TestServerWriteDuringTrimKept(t *testing.T) {
 	uri := serve(t, rg.x)
 
 	woff := 2*segLen + 4096
-	cmd := nbdshCmd(uri, fmt.Sprintf(`
+	cmd := nbdtest.Nbdsh(t, "-u", uri, "-c", fmt.Sprintf(`
 import sys
 c1 = h.aio_trim(8 * %[1]d, 0)
 print("sent", flush=True)
