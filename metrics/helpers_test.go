@@ -17,6 +17,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -90,13 +91,7 @@ func startRig(t *testing.T) *rig {
 	r.server = &nbdtarget.Server{Exports: exports}
 	r.metrics = New(Config{Server: r.server, Flush: r.flush, Discard: r.discard, Version: "test"})
 
-	r.socket = filepath.Join(dir, "nbd.sock")
-	nl, err := net.Listen("unix", r.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go r.server.Serve(nl)
-	t.Cleanup(func() { r.server.Shutdown(context.Background()) })
+	r.socket = nbdtest.ServeUnix(t, r.server, nbdtarget.ErrServerClosed)
 
 	ml, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -117,18 +112,13 @@ func startRig(t *testing.T) *rig {
 
 // uri is the NBD URI of an export of the rig.
 func (r *rig) uri(export string) string {
-	return "nbd+unix:///" + export + "?socket=" + r.socket
+	return nbdtest.URI(r.socket, export)
 }
 
 // nbdsh runs a Python snippet against an export with nbdsh (h is connected).
 func (r *rig) nbdsh(t *testing.T, export, script string) {
 	t.Helper()
-	nbdsh := need(t, "nbdsh")
-	cmd := exec.Command(nbdsh, "-u", r.uri(export), "-c", script)
-	// nbdsh runs `python3 -m nbd`: use the python3 installed beside it,
-	// which has the nbd module, rather than another one earlier in PATH.
-	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(nbdsh)+string(filepath.ListSeparator)+os.Getenv("PATH"))
-	out, err := cmd.CombinedOutput()
+	out, err := nbdtest.Nbdsh(t, "-u", r.uri(export), "-c", script).CombinedOutput()
 	if err != nil {
 		t.Fatalf("nbdsh: %v\n%s", err, out)
 	}
