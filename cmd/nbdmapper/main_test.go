@@ -11,9 +11,9 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // The tests run the real binary, as users do.
@@ -24,9 +24,8 @@ func TestMain(m *testing.M) {
 	if err != nil {
 		panic(err)
 	}
-	bin = filepath.Join(dir, "nbdmapper")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "go build: %v\n%s", err, out)
+	if bin, err = nbdtest.Build(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 	code := m.Run()
@@ -108,13 +107,10 @@ func cmd2(dir string, args ...string) (string, error) {
 	return string(out), err
 }
 
-// server is a running `nbdmapper serve`.
+// server is a running `nbdmapper serve` with its metrics address.
 type server struct {
-	cmd     *exec.Cmd
-	socket  string
+	*nbdtest.Server
 	metrics string
-	stderr  *bytes.Buffer
-	stdout  *bytes.Buffer
 }
 
 // serve starts the binary in dir on a unix socket and a free loopback
@@ -127,42 +123,9 @@ func serve(t *testing.T, dir string, exports ...string) *server {
 	}
 	metrics := l.Addr().String()
 	l.Close()
-	s := &server{socket: filepath.Join(dir, "nbd.sock"), metrics: metrics, stderr: new(bytes.Buffer), stdout: new(bytes.Buffer)}
-	args := append([]string{"serve", "--socket", s.socket, "--metrics", metrics}, exports...)
-	s.cmd = exec.Command(bin, args...)
-	s.cmd.Dir = dir
-	s.cmd.Stdout, s.cmd.Stderr = s.stdout, s.stderr
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.cmd.Process.Kill(); s.cmd.Wait() })
-	for _, addr := range [][2]string{{"unix", s.socket}, {"tcp", metrics}} {
-		for i := 0; ; i++ {
-			c, err := net.Dial(addr[0], addr[1])
-			if err == nil {
-				c.Close()
-				break
-			}
-			if i == 500 {
-				t.Fatalf("server not listening on %s: %v\n%s", addr[1], err, s.stderr)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}
+	s := &server{nbdtest.Start(t, bin, dir, append([]string{"--metrics", metrics}, exports...)...), metrics}
+	s.WaitListening(t, "tcp", metrics)
 	return s
-}
-
-// stop sends SIGTERM and requires a clean exit.
-func (s *server) stop(t *testing.T) {
-	t.Helper()
-	s.cmd.Process.Signal(syscall.SIGTERM)
-	if err := s.cmd.Wait(); err != nil {
-		t.Fatalf("serve exited with %v after SIGTERM\n%s", err, s.stderr)
-	}
-}
-
-func (s *server) uri(export string) string {
-	return "nbd+unix:///" + export + "?socket=" + s.socket
 }
 
 func needTool(t *testing.T, tool string) {
@@ -177,7 +140,7 @@ func TestServeDemo(t *testing.T) {
 	needTool(t, "qemu-io")
 	dir := t.TempDir()
 	s := serve(t, dir) // no exports: the demo
-	out, err := exec.Command("nbdinfo", s.uri("demo")).CombinedOutput()
+	out, err := exec.Command("nbdinfo", s.URI("demo")).CombinedOutput()
 	if err != nil {
 		t.Fatalf("nbdinfo: %v\n%s", err, out)
 	}
@@ -187,11 +150,11 @@ func TestServeDemo(t *testing.T) {
 		}
 	}
 	// Segment 1 of the demo is the second MiB of the device, at offset 0 of disk1.img.
-	qio := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 4k", "-c", "flush", s.uri("demo"))
+	qio := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 4k", "-c", "flush", s.URI("demo"))
 	if out, err := qio.CombinedOutput(); err != nil {
 		t.Fatalf("qemu-io: %v\n%s", err, out)
 	}
-	s.stop(t)
+	s.Stop(t)
 	disk1, err := os.ReadFile(filepath.Join(dir, "demo", "disk1.img"))
 	if err != nil {
 		t.Fatal(err)
@@ -199,8 +162,8 @@ func TestServeDemo(t *testing.T) {
 	if !bytes.Equal(disk1[:4096], bytes.Repeat([]byte{0x5a}, 4096)) {
 		t.Fatal("write to the demo's second segment did not land at offset 0 of disk1.img")
 	}
-	if !strings.Contains(s.stdout.String(), "nbd-client") || !strings.Contains(s.stdout.String(), "fio ") {
-		t.Errorf("demo did not print how to connect:\n%s", s.stdout)
+	if !strings.Contains(s.Stdout(), "nbd-client") || !strings.Contains(s.Stdout(), "fio ") {
+		t.Errorf("demo did not print how to connect:\n%s", s.Stdout())
 	}
 }
 
@@ -213,7 +176,7 @@ func TestServeStackedStatus(t *testing.T) {
 	os.WriteFile(filepath.Join(dir, "snap.table"), []byte("0 8192 snapshot /dev/mapper/base cow.img P 8\n"), 0o644)
 	s := serve(t, dir, "base=base.table", "snap=snap.table")
 
-	qio := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x11 0 8k", "-c", "flush", s.uri("snap"))
+	qio := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x11 0 8k", "-c", "flush", s.URI("snap"))
 	if out, err := qio.CombinedOutput(); err != nil {
 		t.Fatalf("qemu-io: %v\n%s", err, out)
 	}
@@ -227,7 +190,7 @@ func TestServeStackedStatus(t *testing.T) {
 			t.Errorf("nbdmapper %s: %v\n%q\nwant\n%q", tc.args, err, out, tc.want)
 		}
 	}
-	s.stop(t)
+	s.Stop(t)
 	origin, _ := os.ReadFile(filepath.Join(dir, "origin.img"))
 	if !bytes.Equal(origin[:8192], make([]byte, 8192)) {
 		t.Fatal("a write to the snapshot reached the origin")
