@@ -5,17 +5,16 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 	"golang.org/x/sys/unix"
@@ -118,16 +117,8 @@ func TestDurabilityCrash(t *testing.T) {
 // there. The page cache survives a process kill, so this checks that
 // replies never run ahead of the writes and syncs they promise.
 func TestDurabilitySIGKILL(t *testing.T) {
-	goTool, err := exec.LookPath("go")
-	if err != nil {
-		t.Skip("go toolchain not in PATH: cannot build cmd/nbdmapper")
-	}
+	bin := nbdtest.Binary(t)
 	dir := t.TempDir()
-	bin := filepath.Join(dir, "nbdmapper")
-	build := exec.Command(goTool, "build", "-o", bin, "github.com/nbdmapper/nbdmapper/cmd/nbdmapper")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
 	files := []string{filepath.Join(dir, "a.img"), filepath.Join(dir, "b.img")}
 	for _, f := range files {
 		if err := os.WriteFile(f, nil, 0o600); err != nil {
@@ -143,29 +134,18 @@ func TestDurabilitySIGKILL(t *testing.T) {
 	}
 	m := newModel(workers*perWorker, blockSize)
 	for round := range 3 {
-		socket := filepath.Join(dir, fmt.Sprintf("nbd%d.sock", round))
-		cmd := exec.Command(bin, "serve", "--metrics=off", "--socket", socket, "disk="+tablePath)
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan error, 1)
-		go func() { exited <- cmd.Wait() }()
-		if err := waitSocket(socket, exited); err != nil {
-			t.Fatalf("nbdmapper serve: %v\n%s", err, stderr.String())
-		}
+		srv := nbdtest.Start(t, bin, dir, "--metrics=off", "disk="+tablePath)
 		var kill sync.Once
 		target := int64(100 + 60*round)
-		m.run(t, socket, workers, func(ops int64) bool {
+		m.run(t, srv.Socket, workers, func(ops int64) bool {
 			if ops < target {
 				return false
 			}
-			kill.Do(func() { cmd.Process.Signal(syscall.SIGKILL) })
+			kill.Do(func() { srv.Signal(syscall.SIGKILL) })
 			return true
 		})
-		if err := <-exited; err == nil || !strings.Contains(err.Error(), "killed") {
-			t.Fatalf("round %d: server ended with %v, want killed\n%s", round, err, stderr.String())
+		if err := srv.Wait(); err == nil || !strings.Contains(err.Error(), "killed") {
+			t.Fatalf("round %d: server ended with %v, want killed\n%s", round, err, srv.Stderr())
 		}
 
 		pool := &backing.Pool{ReadOnly: true}
@@ -185,21 +165,5 @@ func TestDurabilitySIGKILL(t *testing.T) {
 			t.Errorf("round %d: no write was ever durable: the test proved nothing", round)
 		}
 		t.Logf("round %d: %d of %d blocks had a durable write", round, durable, len(m.blocks))
-	}
-}
-
-// waitSocket waits until the server listens on socket, or fails if the
-// server exits first.
-func waitSocket(socket string, exited <-chan error) error {
-	for {
-		if c, err := net.Dial("unix", socket); err == nil {
-			c.Close()
-			return nil
-		}
-		select {
-		case err := <-exited:
-			return fmt.Errorf("exited before listening: %v", err)
-		case <-time.After(20 * time.Millisecond):
-		}
 	}
 }
