@@ -10,20 +10,9 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
-)
 
-// nbdPython finds a python3 that can import libnbd's bindings (the first
-// python3 in PATH may be another installation without them).
-func nbdPython(t *testing.T) string {
-	for _, py := range []string{"python3", "/usr/bin/python3"} {
-		if exec.Command(py, "-c", "import nbd").Run() == nil {
-			return py
-		}
-	}
-	t.Skip("no python3 with the nbd module (Debian package python3-libnbd)")
-	return ""
-}
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+)
 
 // TestServeCrash is TestCrashSIGKILL through the real server: `nbdmapper
 // serve` exports a snapshot and its snapshot-origin over real files, nbdsh
@@ -32,13 +21,9 @@ func nbdPython(t *testing.T) string {
 // the last acknowledged FLUSH must be in the snapshot (or origin), and
 // neither device may show the other's writes.
 func TestServeCrash(t *testing.T) {
-	py := nbdPython(t)
+	py := nbdtest.Python(t)
+	bin := nbdtest.Binary(t)
 	dir := t.TempDir()
-	bin := filepath.Join(dir, "nbdmapper")
-	build := exec.Command("go", "build", "-o", bin, "../cmd/nbdmapper")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
 	initial := crashInitial()
 	origin, cow := filepath.Join(dir, "origin.img"), filepath.Join(dir, "cow.img")
 	if err := os.WriteFile(origin, initial, 0o644); err != nil {
@@ -58,24 +43,7 @@ func TestServeCrash(t *testing.T) {
 	snapTable := write("snap.table", fmt.Sprintf("0 %d snapshot %s %s P 8\n", sectors, origin, cow))
 	origTable := write("orig.table", fmt.Sprintf("0 %d snapshot-origin %s\n", sectors, origin))
 
-	sock := filepath.Join(dir, "nbd.sock")
-	srv := exec.Command(bin, "serve", "--socket", sock, "snap="+snapTable, "orig="+origTable)
-	srvLog, _ := os.Create(filepath.Join(dir, "serve.log"))
-	srv.Stdout, srv.Stderr = srvLog, srvLog
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Process.Kill()
-	for i := 0; ; i++ {
-		if _, err := os.Stat(sock); err == nil {
-			break
-		}
-		if i == 600 {
-			b, _ := os.ReadFile(filepath.Join(dir, "serve.log"))
-			t.Fatalf("server did not start:\n%s", b)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	srv := nbdtest.Start(t, bin, dir, "--metrics=off", "snap="+snapTable, "orig="+origTable)
 
 	// The plan: one line per op, "o|s offset byte".
 	var plan strings.Builder
@@ -97,7 +65,7 @@ for i, line in enumerate(open(%[2]q)):
     if i %% 4 == 3:
         hs.flush(); ho.flush()
         print("flushed", i, flush=True)
-`, sock, planFile, crashLen))
+`, srv.Socket, planFile, crashLen))
 	writer := exec.Command(py, script)
 	out, err := writer.StdoutPipe()
 	if err != nil {
@@ -119,12 +87,11 @@ for i, line in enumerate(open(%[2]q)):
 			}
 		}
 	}
-	srv.Process.Signal(syscall.SIGKILL)
+	srv.Signal(syscall.SIGKILL)
 	srv.Wait()
 	writer.Wait()
 	if acked < 0 {
-		b, _ := os.ReadFile(filepath.Join(dir, "serve.log"))
-		t.Fatalf("no flush acknowledged; writer: %s\nserver log:\n%s", werr.String(), b)
+		t.Fatalf("no flush acknowledged; writer: %s\nserver log:\n%s", werr.String(), srv.Stderr())
 	}
 	t.Logf("server killed after op %d acknowledged", acked)
 
