@@ -188,6 +188,29 @@ next:
 	return nil
 }
 
+// wantValue is the value one sample of a family must have.
+type wantValue struct {
+	name   string
+	labels map[string]string // a subset of the sample's labels
+	want   float64
+}
+
+// checkValues fails t for every wanted sample that is missing from fams or
+// has another value.
+func checkValues(t *testing.T, fams map[string]*dto.MetricFamily, wants []wantValue) {
+	t.Helper()
+	for _, w := range wants {
+		m := find(fams, w.name, w.labels)
+		if m == nil {
+			t.Errorf("%s%v: missing", w.name, w.labels)
+			continue
+		}
+		if v := value(m); v != w.want {
+			t.Errorf("%s%v = %v, want %v", w.name, w.labels, v, w.want)
+		}
+	}
+}
+
 // value is a counter's or gauge's value, or a histogram's sample count.
 func value(m *dto.Metric) float64 {
 	switch {

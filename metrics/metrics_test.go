@@ -115,11 +115,7 @@ func TestZeroFromStart(t *testing.T) {
 	}
 
 	// Static table metrics have their real values from the start.
-	statics := []struct {
-		name   string
-		labels map[string]string
-		want   float64
-	}{
+	statics := []wantValue{
 		{"nbdmapper_export_size_bytes", map[string]string{"export": "main"}, 10 * segSectors * 512},
 		{"nbdmapper_export_size_bytes", map[string]string{"export": "small"}, segSectors * 512},
 		{"nbdmapper_export_segments", map[string]string{"export": "main", "target": "linear"}, 8},
@@ -133,16 +129,7 @@ func TestZeroFromStart(t *testing.T) {
 		{"nbdmapper_device_size_bytes", map[string]string{"device": disk1}, diskBytes},
 		{"nbdmapper_build_info", map[string]string{"version": "test"}, 1},
 	}
-	for _, s := range statics {
-		m := find(fams, s.name, s.labels)
-		if m == nil {
-			t.Errorf("%s%v: missing", s.name, s.labels)
-			continue
-		}
-		if v := value(m); v != s.want {
-			t.Errorf("%s%v = %v, want %v", s.name, s.labels, v, s.want)
-		}
-	}
+	checkValues(t, fams, statics)
 	for _, typ := range table.Targets() {
 		if find(fams, "nbdmapper_export_segments", map[string]string{"export": "small", "target": typ}) == nil {
 			t.Errorf("nbdmapper_export_segments{export=small,target=%s} missing", typ)
@@ -160,11 +147,7 @@ func TestCountersMatchDevices(t *testing.T) {
 	disk0, disk1 := r.disks[0], r.disks[1]
 	rec0, rec1 := r.recorders[disk0], r.recorders[disk1]
 
-	checks := []struct {
-		name   string
-		labels map[string]string
-		want   float64
-	}{
+	checks := []wantValue{
 		{"nbdmapper_requests_total", map[string]string{"export": "main", "op": "write"}, 8},
 		{"nbdmapper_request_bytes_total", map[string]string{"export": "main", "op": "write"}, 8 * 4096},
 		{"nbdmapper_requests_total", map[string]string{"export": "main", "op": "flush"}, 2},
@@ -206,16 +189,7 @@ func TestCountersMatchDevices(t *testing.T) {
 		{"nbdmapper_device_flushes_total", map[string]string{"device": disk0}, 3},
 		{"nbdmapper_flushes_total", nil, 3},
 	}
-	for _, c := range checks {
-		m := find(fams, c.name, c.labels)
-		if m == nil {
-			t.Errorf("%s%v: missing", c.name, c.labels)
-			continue
-		}
-		if v := value(m); v != c.want {
-			t.Errorf("%s%v = %v, want %v", c.name, c.labels, v, c.want)
-		}
-	}
+	checkValues(t, fams, checks)
 }
 
 func discardBytes(r *backing.Recorder) int64 {
