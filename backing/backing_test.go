@@ -5,18 +5,13 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
 func sparseFile(t *testing.T, size int64) string {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "disk.img")
-	if err := os.WriteFile(path, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(path, size); err != nil {
-		t.Fatal(err)
-	}
-	return path
+	return sparse.Create(t, filepath.Join(t.TempDir(), "disk.img"), size)
 }
 
 // devices returns one of each real kind of Device, for tests that every

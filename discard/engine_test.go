@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -16,6 +15,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -78,13 +78,7 @@ func fileRig(t *testing.T, eng *discard.Engine) *rig {
 	t.Cleanup(func() { pool.Close() })
 	var names [2]string
 	for i := range names {
-		names[i] = filepath.Join(dir, fmt.Sprintf("disk%d.img", i))
-		if err := os.WriteFile(names[i], nil, 0o600); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Truncate(names[i], half); err != nil {
-			t.Fatal(err)
-		}
+		names[i] = sparse.Create(t, filepath.Join(dir, fmt.Sprintf("disk%d.img", i)), half)
 		d, err := pool.Open(names[i])
 		if err != nil {
 			t.Fatal(err)

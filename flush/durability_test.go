@@ -15,6 +15,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 	"golang.org/x/sys/unix"
@@ -121,12 +122,7 @@ func TestDurabilitySIGKILL(t *testing.T) {
 	dir := t.TempDir()
 	files := []string{filepath.Join(dir, "a.img"), filepath.Join(dir, "b.img")}
 	for _, f := range files {
-		if err := os.WriteFile(f, nil, 0o600); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Truncate(f, devSize); err != nil {
-			t.Fatal(err)
-		}
+		sparse.Create(t, f, devSize)
 	}
 	tablePath := filepath.Join(dir, "disk.table")
 	if err := os.WriteFile(tablePath, []byte(tableText(files[0], files[1])), 0o600); err != nil {

@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -18,6 +17,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -53,14 +53,7 @@ func startRig(t *testing.T) *rig {
 	dir := t.TempDir()
 	r := &rig{recorders: make(map[string]*backing.Recorder)}
 	for i := range 2 {
-		p := filepath.Join(dir, fmt.Sprintf("disk%d.img", i))
-		if err := os.WriteFile(p, nil, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Truncate(p, diskBytes); err != nil {
-			t.Fatal(err)
-		}
-		r.disks = append(r.disks, p)
+		r.disks = append(r.disks, sparse.Create(t, filepath.Join(dir, fmt.Sprintf("disk%d.img", i)), diskBytes))
 	}
 	var main strings.Builder
 	for i := range 8 {

@@ -15,6 +15,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -79,14 +80,7 @@ func newDiskFix(t *testing.T) *diskFix {
 	dir := t.TempDir()
 	f := &diskFix{files: map[string]string{}}
 	for _, name := range []string{"A", "B"} {
-		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, nil, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Truncate(p, 8*mib); err != nil {
-			t.Fatal(err)
-		}
-		f.files[name] = p
+		f.files[name] = sparse.Create(t, filepath.Join(dir, name), 8*mib)
 	}
 	pool := &backing.Pool{}
 	t.Cleanup(func() { pool.Close() })

@@ -2,7 +2,6 @@ package nbdtarget
 
 import (
 	"errors"
-	"os"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -11,6 +10,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -78,15 +78,7 @@ func newExport(t testing.TB, name string, segs ...seg) *Export {
 // sparseFile creates a sparse file of size bytes and opens it through pool.
 func sparseFile(t testing.TB, pool *backing.Pool, dir, name string, size int64) (backing.Device, string) {
 	t.Helper()
-	path := filepath.Join(dir, name)
-	f, err := os.Create(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
+	path := sparse.Create(t, filepath.Join(dir, name), size)
 	d, err := pool.Open(path)
 	if err != nil {
 		t.Fatal(err)

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
 // TestParseWithPool parses a table over real sparse files through a
@@ -18,14 +19,7 @@ import (
 func TestParseWithPool(t *testing.T) {
 	dir := t.TempDir()
 	for _, name := range []string{"d0", "d1"} {
-		f, err := os.Create(filepath.Join(dir, name))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := f.Truncate(1 << 20); err != nil {
-			t.Fatal(err)
-		}
-		f.Close()
+		sparse.Create(t, filepath.Join(dir, name), 1<<20)
 	}
 	d0, d1, link := filepath.Join(dir, "d0"), filepath.Join(dir, "d1"), filepath.Join(dir, "link")
 	if err := os.Symlink(d0, link); err != nil {

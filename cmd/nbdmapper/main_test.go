@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
 // The tests run the real binary, as users do.
@@ -33,22 +34,10 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func sparse(t *testing.T, path string, size int64) {
-	t.Helper()
-	f, err := os.Create(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestCheck(t *testing.T) {
 	dir := t.TempDir()
-	sparse(t, filepath.Join(dir, "a.img"), 1<<20)
-	sparse(t, filepath.Join(dir, "b.img"), 1<<20)
+	sparse.Create(t, filepath.Join(dir, "a.img"), 1<<20)
+	sparse.Create(t, filepath.Join(dir, "b.img"), 1<<20)
 	for _, tc := range []struct {
 		name, table string
 		want        string // stdout, or a regexp for stderr when wantErr
@@ -170,8 +159,8 @@ func TestServeDemo(t *testing.T) {
 func TestServeStackedStatus(t *testing.T) {
 	needTool(t, "qemu-io")
 	dir := t.TempDir()
-	sparse(t, filepath.Join(dir, "origin.img"), 4<<20)
-	sparse(t, filepath.Join(dir, "cow.img"), 1<<20)
+	sparse.Create(t, filepath.Join(dir, "origin.img"), 4<<20)
+	sparse.Create(t, filepath.Join(dir, "cow.img"), 1<<20)
 	os.WriteFile(filepath.Join(dir, "base.table"), []byte("0 8192 linear origin.img 0\n"), 0o644)
 	os.WriteFile(filepath.Join(dir, "snap.table"), []byte("0 8192 snapshot /dev/mapper/base cow.img P 8\n"), 0o644)
 	s := serve(t, dir, "base=base.table", "snap=snap.table")
