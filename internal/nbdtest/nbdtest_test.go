@@ -53,3 +53,13 @@ func TestStartNbdsh(t *testing.T) {
 		t.Fatalf("after SIGKILL Wait = %v, want killed", err)
 	}
 }
+
+func TestTool(t *testing.T) {
+	if p := Tool(t, "sh"); !strings.HasSuffix(p, "/sh") {
+		t.Errorf("Tool(sh) = %q, want a path to sh", p)
+	}
+	t.Run("missing tool skips", func(t *testing.T) {
+		Tool(t, "nbdmapper-no-such-tool")
+		t.Error("Tool returned for a missing tool instead of skipping")
+	})
+}

@@ -30,9 +30,7 @@ func Build(dir string) (string, error) {
 // or skips the test if there is no go toolchain in PATH to build it with.
 func Binary(t testing.TB) string {
 	t.Helper()
-	if _, err := exec.LookPath("go"); err != nil {
-		t.Skip("go toolchain not in PATH: cannot build cmd/nbdmapper")
-	}
+	Tool(t, "go")
 	bin, err := Build(t.TempDir())
 	if err != nil {
 		t.Fatal(err)

@@ -26,16 +26,41 @@ func Python(t testing.TB) string {
 	return ""
 }
 
+// Tool returns the path of an external program the test runs, or skips the
+// test, naming the Debian package to install, if it is not in PATH. The CI
+// installs them all; a developer's machine may lack some.
+func Tool(t testing.TB, name string) string {
+	t.Helper()
+	p, err := exec.LookPath(name)
+	if err != nil {
+		pkg := debianPackage[name]
+		if pkg == "" {
+			pkg = name
+		}
+		t.Skipf("%s not installed (Debian package %s)", name, pkg)
+	}
+	return p
+}
+
+// debianPackage names the Debian package that installs each tool the tests
+// run, where it differs from the tool's name.
+var debianPackage = map[string]string{
+	"go":       "golang-go",
+	"nbdcopy":  "libnbd-bin",
+	"nbdinfo":  "libnbd-bin",
+	"nbdsh":    "libnbd-bin",
+	"promtool": "prometheus",
+	"qemu-img": "qemu-utils",
+	"qemu-io":  "qemu-utils",
+}
+
 // Nbdsh returns a command running libnbd's nbdsh with args (for example
 // "-u", uri, "-c", script), or skips the test if nbdsh or its Python
 // module is missing. nbdsh runs `python3 -m nbd` with the first python3 in
 // PATH, so PATH starts with the directory of the one Python found.
 func Nbdsh(t testing.TB, args ...string) *exec.Cmd {
 	t.Helper()
-	nbdsh, err := exec.LookPath("nbdsh")
-	if err != nil {
-		t.Skip("nbdsh not installed (Debian package libnbd-bin)")
-	}
+	nbdsh := Tool(t, "nbdsh")
 	py := Python(t)
 	cmd := exec.Command(nbdsh, args...)
 	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(py)+string(filepath.ListSeparator)+os.Getenv("PATH"))
