@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	dto "github.com/prometheus/client_model/go"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 const (
@@ -207,7 +209,7 @@ func TestDashboardDatasourceVariable(t *testing.T) {
 // TestPrometheusConfig runs `promtool check config` on the shipped
 // Prometheus configuration.
 func TestPrometheusConfig(t *testing.T) {
-	promtool := need(t, "promtool")
+	promtool := nbdtest.Tool(t, "promtool")
 	out, err := exec.Command(promtool, "check", "config", prometheusFile).CombinedOutput()
 	if err != nil {
 		t.Fatalf("promtool check config: %v\n%s", err, out)

@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -115,16 +114,6 @@ func (r *rig) nbdsh(t *testing.T, export, script string) {
 	if err != nil {
 		t.Fatalf("nbdsh: %v\n%s", err, out)
 	}
-}
-
-// need skips the test if a tool is missing.
-func need(t *testing.T, tool string) string {
-	t.Helper()
-	p, err := exec.LookPath(tool)
-	if err != nil {
-		t.Skipf("%s not installed (Debian: see README); skipping", tool)
-	}
-	return p
 }
 
 // scrape fetches the metrics page as a plain scraper would.

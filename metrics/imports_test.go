@@ -4,6 +4,8 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 const module = "github.com/nbdmapper/nbdmapper"
@@ -12,7 +14,7 @@ const module = "github.com/nbdmapper/nbdmapper"
 // no package of the module but metrics may import github.com/prometheus/...,
 // not even in its tests. The others expose plain Stats instead.
 func TestOnlyMetricsImportsPrometheus(t *testing.T) {
-	gocmd := need(t, "go")
+	gocmd := nbdtest.Tool(t, "go")
 	out, err := exec.Command(gocmd, "list", "-e",
 		"-f", `{{.ImportPath}} {{join .Imports " "}} {{join .TestImports " "}} {{join .XTestImports " "}}`,
 		module+"/...").Output()

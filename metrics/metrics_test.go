@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -205,7 +206,7 @@ func discardBytes(r *backing.Recorder) int64 {
 // TestPromtoolCheckMetrics runs `promtool check metrics` on a live scrape
 // over HTTP, after traffic, and wants no output at all.
 func TestPromtoolCheckMetrics(t *testing.T) {
-	promtool := need(t, "promtool")
+	promtool := nbdtest.Tool(t, "promtool")
 	r := startRig(t)
 	runWorkload(t, r)
 	page := r.scrape(t)

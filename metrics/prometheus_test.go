@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // promServer is a real Prometheus server on loopback, scraping one target
@@ -30,7 +31,7 @@ type promServer struct {
 
 func startPrometheus(t *testing.T, target string) *promServer {
 	t.Helper()
-	bin := need(t, "prometheus")
+	bin := nbdtest.Tool(t, "prometheus")
 	dir := t.TempDir()
 	config := fmt.Sprintf(`global:
   scrape_interval: 1s
@@ -174,7 +175,7 @@ func (p *promServer) waitScrapedAfter(t *testing.T, since time.Time) {
 // The flush and discard counters Prometheus stored must equal what reached
 // the backing devices. Every dashboard query must also evaluate.
 func TestPrometheusScrapesWhatDevicesSaw(t *testing.T) {
-	fio := need(t, "fio")
+	fio := nbdtest.Tool(t, "fio")
 	r := startRig(t)
 	target := strings.TrimSuffix(strings.TrimPrefix(r.metricsURL, "http://"), "/metrics")
 	p := startPrometheus(t, target)
