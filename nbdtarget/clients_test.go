@@ -122,15 +122,6 @@ func (f *diskFix) backingBytes(t *testing.T, v, n int64) []byte {
 	return out
 }
 
-func need(t *testing.T, tools ...string) {
-	t.Helper()
-	for _, tool := range tools {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s not installed (Debian packages libnbd-bin, python3-libnbd, qemu-utils)", tool)
-		}
-	}
-}
-
 func run(t *testing.T, name string, args ...string) string {
 	t.Helper()
 	return output(t, exec.Command(name, args...))
@@ -150,7 +141,7 @@ func output(t *testing.T, cmd *exec.Cmd) string {
 }
 
 func TestNbdinfo(t *testing.T) {
-	need(t, "nbdinfo")
+	nbdtest.Tool(t, "nbdinfo")
 	f := newDiskFix(t)
 	type info struct {
 		Protocol   string `json:"protocol"`
@@ -240,7 +231,7 @@ func TestNbdinfo(t *testing.T) {
 }
 
 func TestNbdcopyRoundTrip(t *testing.T) {
-	need(t, "nbdcopy")
+	nbdtest.Tool(t, "nbdcopy")
 	f := newDiskFix(t)
 	dir := t.TempDir()
 	in := make([]byte, diskSize)
@@ -270,7 +261,7 @@ func TestNbdcopyRoundTrip(t *testing.T) {
 }
 
 func TestQemuIO(t *testing.T) {
-	need(t, "qemu-io")
+	nbdtest.Tool(t, "qemu-io")
 	f := newDiskFix(t)
 	// Writes straddling every line boundary, with distinct patterns.
 	cmds := []struct {
