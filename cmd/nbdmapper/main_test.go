@@ -117,16 +117,9 @@ func serve(t *testing.T, dir string, exports ...string) *server {
 	return s
 }
 
-func needTool(t *testing.T, tool string) {
-	t.Helper()
-	if _, err := exec.LookPath(tool); err != nil {
-		t.Skipf("%s not installed (Debian packages libnbd-bin, qemu-utils)", tool)
-	}
-}
-
 func TestServeDemo(t *testing.T) {
-	needTool(t, "nbdinfo")
-	needTool(t, "qemu-io")
+	nbdtest.Tool(t, "nbdinfo")
+	nbdtest.Tool(t, "qemu-io")
 	dir := t.TempDir()
 	s := serve(t, dir) // no exports: the demo
 	out, err := exec.Command("nbdinfo", s.URI("demo")).CombinedOutput()
@@ -157,7 +150,7 @@ func TestServeDemo(t *testing.T) {
 }
 
 func TestServeStackedStatus(t *testing.T) {
-	needTool(t, "qemu-io")
+	nbdtest.Tool(t, "qemu-io")
 	dir := t.TempDir()
 	sparse.Create(t, filepath.Join(dir, "origin.img"), 4<<20)
 	sparse.Create(t, filepath.Join(dir, "cow.img"), 1<<20)
