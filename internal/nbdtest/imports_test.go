@@ -1,0 +1,36 @@
+package nbdtest
+
+import (
+	"os/exec"
+	"strings"
+	"testing"
+)
+
+// TestOnlyTestsImportTestSupport keeps the test-support packages out of the
+// nbdmapper binary: no package may import them outside its _test.go files.
+func TestOnlyTestsImportTestSupport(t *testing.T) {
+	const module = "github.com/nbdmapper/nbdmapper"
+	support := []string{module + "/internal/golden", module + "/internal/nbdtest", module + "/internal/sparse"}
+	out, err := exec.Command(Tool(t, "go"), "list", "-e", "-f", `{{.ImportPath}} {{join .Imports " "}}`, module+"/...").Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	var pkgs int
+	for line := range strings.Lines(string(out)) {
+		fields := strings.Fields(line)
+		if len(fields) == 0 {
+			continue
+		}
+		pkgs++
+		for _, imp := range fields[1:] {
+			for _, s := range support {
+				if imp == s {
+					t.Errorf("%s imports %s outside its tests", fields[0], imp)
+				}
+			}
+		}
+	}
+	if pkgs < 5 {
+		t.Fatalf("go list saw only %d packages:\n%s", pkgs, out)
+	}
+}
