@@ -52,8 +52,7 @@ for c in "${rounds[@]}"; do
 		grep '"flush stats"' /tmp/serve.log | tail -1
 		;;
 	dm-*)
-		dmsetup create vmbench --table "$(cat /tmp/bench.table)" || exit 1
-		[ -b /dev/mapper/vmbench ] || dmsetup mknodes vmbench
+		dmcreate vmbench "$(cat /tmp/bench.table)" || exit 1
 		run_fio "$c" "$(realpath /dev/mapper/vmbench)"
 		dmsetup remove vmbench
 		;;

@@ -82,3 +82,9 @@ unserve() {
 blkstat() {
 	awk -v f="$2" '{print $f}' "/sys/block/$(basename "$1")/stat"
 }
+
+# dmcreate NAME TABLE: dmsetup create, then the /dev/mapper node, which
+# dmsetup leaves to udev and the guest has no udev.
+dmcreate() {
+	dmsetup create "$1" --table "$2" && dmsetup mknodes "$1" && [ -b "/dev/mapper/$1" ]
+}
