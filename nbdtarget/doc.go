@@ -7,15 +7,15 @@
 // wire.go holds the whole wire format (magics, options, replies, flags,
 // commands, errnos and message layouts). handshake.go negotiates an export
 // (GO, INFO, LIST, ABORT, EXPORT_NAME, STRUCTURED_REPLY, LIST/SET_META_CONTEXT
-// for base:allocation). transmit.go runs one connection: a reader goroutine
-// decodes requests and reads write payloads, checks each once (check) and hands
-// it to a worker; workers call the Export and write replies under a mutex as
-// they finish. Two requests on one connection:
+// for base:allocation). transmit.go runs one connection on a leader/follower
+// pool of goroutines: the one holding the read token decodes a request (and a
+// write's payload), passes the token to another, checks the request once
+// (check), calls the Export and writes the reply under a mutex, so replies
+// leave as requests finish. Two requests on one connection:
 //
-//	reader   READ h=1 @0..4K    WRITE h=2 @8K..12K + payload
-//	worker1  [ReadAt ........................] reply h=1
-//	worker2            [WriteAt ...] reply h=2
-//	wire     .................................. h=2 ... h=1
+//	g1    read h=1 READ @0..4K | [ReadAt ..........................] reply h=1
+//	g2                           read h=2 WRITE @8K + payload | [WriteAt] reply h=2
+//	wire  .................................................... h=2 ...... h=1
 //
 // A request the client may not send (bad range, flag or command, oversized,
 // read-only) gets the spec's errno and the connection goes on; only a stream

@@ -17,8 +17,8 @@ var ErrServerClosed = errors.New("nbdtarget: server closed")
 
 // Server serves Exports over NBD (fixed newstyle) on any number of
 // listeners. Each connection negotiates one export and then runs requests
-// concurrently: a reader goroutine decodes requests and hands them to a
-// bounded set of workers, which reply as they finish, out of order.
+// concurrently on a bounded pool of goroutines, each of which reads a request,
+// runs it and replies as it finishes, out of order.
 //
 // Exports must not change once Serve has been called.
 type Server struct {

@@ -16,19 +16,23 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 )
 
-// conn is one client connection. In the transmission phase one goroutine
-// (transmit) reads requests, including write payloads, and hands each to a
-// worker; workers run the request against the export and write the reply
-// under wmu as soon as it is ready, so replies leave in completion order:
+// conn is one client connection. Its transmission phase runs on a
+// leader/follower pool of goroutines, as nbdkit runs its threads: whoever
+// holds the read token decodes the next request (and a WRITE's payload),
+// makes sure another goroutine will read the request after it, hands the
+// token on, and then runs its own request and writes the reply under wmu.
+// Replies leave in completion order, and a request is never handed from the
+// goroutine that read it to another one, which would put a cross-thread
+// wake-up on every request's path:
 //
-//	reader:  hdr1 hdr2+payload hdr3 ...      (one goroutine, never blocks on I/O to disks)
-//	workers:   [ read 1 ........ ] reply1
-//	             [ write 2 ] reply2          (reply2 may precede reply1)
-//	               [ flush 3 ...... ] reply3
+//	g1: read 1 | run read 1 ............ reply 1
+//	g2:          read 2 | run write 2 reply 2       (reply 2 may precede reply 1)
+//	g3:                   read 3 | run flush 3 ..... reply 3
+//	g2:                                    read 4 | ...
 //
-// The reader stops taking requests while MaxInFlight requests or
-// MaxInFlightBytes of buffers are outstanding, which bounds memory per
-// connection whatever the client sends.
+// At most MaxInFlight goroutines exist per connection, and the reader stops
+// taking requests while their buffers would exceed MaxInFlightBytes, which
+// bounds memory per connection whatever the client sends.
 type conn struct {
 	srv *Server
 	nc  net.Conn
@@ -45,15 +49,18 @@ type conn struct {
 	x  *Export
 	st *exportStats
 
+	rmu      sync.Mutex   // the read token: held while decoding a request
+	readDone bool         // the stream has ended (DISC, EOF, broken, Shutdown); under rmu
+	workers  int          // goroutines in the pool; under rmu
+	waiting  atomic.Int32 // goroutines waiting for the read token
+	pool     sync.WaitGroup
+	bytes    budget
+
 	wmu     sync.Mutex
 	pending atomic.Int32 // replies waiting for or holding wmu
 	werr    error        // first write error; later replies are dropped
 
-	budget   budget
-	inflight sync.WaitGroup
-	work     chan *job
-	workers  int // started by the reader; only the reader touches it
-	stopped  atomic.Bool
+	stopped atomic.Bool
 }
 
 func (c *conn) serve() {
@@ -91,46 +98,87 @@ func (c *conn) stopReading() {
 	c.nc.SetReadDeadline(time.Now())
 }
 
-// transmit is the reader: it runs until DISC, EOF, a broken stream or
-// Shutdown, then waits for outstanding requests and flushes their replies.
+// transmit runs the transmission phase until DISC, EOF, a broken stream or
+// Shutdown, waits for outstanding requests and flushes their replies.
 func (c *conn) transmit() {
-	c.budget.init(c.srv.maxInFlight(), c.srv.maxInFlightBytes())
-	c.work = make(chan *job)
-	var hdr [requestSize]byte
-	for {
-		if _, err := io.ReadFull(c.br, hdr[:]); err != nil {
-			if !c.quiet(err) && !errors.Is(err, io.ErrUnexpectedEOF) {
-				c.log.Warn("nbd read request", "err", err)
-			}
-			break
-		}
-		r, ok := decodeRequest(hdr[:])
-		if !ok {
-			// Nothing after a bad magic can be trusted to be a header.
-			c.log.Warn("nbd request with bad magic: closing connection")
-			break
-		}
-		if r.Type == cmdDisc {
-			break
-		}
-		j := getJob()
-		j.req, j.start = r, time.Now()
-		if err := c.readPayload(j); err != nil {
-			putJob(j)
-			if !c.quiet(err) {
-				c.log.Warn("nbd read payload", "err", err)
-			}
-			break
-		}
-		c.dispatch(j)
-	}
-	c.inflight.Wait()
-	close(c.work)
+	c.bytes.init(c.srv.maxInFlightBytes())
+	c.workers = 1
+	c.pool.Add(1)
+	c.work()
+	c.pool.Wait()
 	c.wmu.Lock()
 	if c.werr == nil {
 		c.werr = c.bw.Flush()
 	}
 	c.wmu.Unlock()
+}
+
+// work is one goroutine of the pool: take the token, read a request, run it.
+func (c *conn) work() {
+	defer c.pool.Done()
+	for {
+		j := c.next()
+		if j == nil {
+			return
+		}
+		c.handle(j)
+	}
+}
+
+// next reads the next request while holding the read token, or returns nil
+// once the stream has ended. Before it gives the token up it starts another
+// goroutine if none is waiting for the token, so the request after this one
+// is read while this one runs.
+func (c *conn) next() *job {
+	c.waiting.Add(1)
+	c.rmu.Lock()
+	c.waiting.Add(-1)
+	defer c.rmu.Unlock()
+	if c.readDone {
+		return nil
+	}
+	j := c.read()
+	if j == nil {
+		c.readDone = true
+		return nil
+	}
+	c.st.inFlight.Add(1)
+	if c.waiting.Load() == 0 && c.workers < c.srv.maxInFlight() {
+		c.workers++
+		c.pool.Add(1)
+		go c.work()
+	}
+	return j
+}
+
+// read decodes one request and its payload; nil means the stream ended.
+func (c *conn) read() *job {
+	var hdr [requestSize]byte
+	if _, err := io.ReadFull(c.br, hdr[:]); err != nil {
+		if !c.quiet(err) && !errors.Is(err, io.ErrUnexpectedEOF) {
+			c.log.Warn("nbd read request", "err", err)
+		}
+		return nil
+	}
+	r, ok := decodeRequest(hdr[:])
+	if !ok {
+		// Nothing after a bad magic can be trusted to be a header.
+		c.log.Warn("nbd request with bad magic: closing connection")
+		return nil
+	}
+	if r.Type == cmdDisc {
+		return nil
+	}
+	j := getJob()
+	j.req, j.start = r, time.Now()
+	if err := c.readPayload(j); err != nil {
+		putJob(j)
+		if !c.quiet(err) {
+			c.log.Warn("nbd read payload", "err", err)
+		}
+		return nil
+	}
+	return j
 }
 
 // readPayload reserves the request's buffer budget and reads a WRITE's
@@ -147,44 +195,15 @@ func (c *conn) readPayload(j *job) error {
 	case r.Type == cmdWrite || r.Type == cmdRead && r.Length <= MaxPayload:
 		j.cost = int64(r.Length)
 	}
-	c.budget.acquire(j.cost)
+	c.bytes.acquire(j.cost)
 	if r.Type == cmdWrite && j.errno == 0 && r.Length > 0 {
 		j.setBuf(int(r.Length))
 		if _, err := io.ReadFull(c.br, j.buf); err != nil {
-			c.budget.release(j.cost)
+			c.bytes.release(j.cost)
 			return err
 		}
 	}
 	return nil
-}
-
-// dispatch hands j to an idle worker, starting one while fewer than
-// MaxInFlight exist. The budget already bounds requests in flight, so a
-// blocking send only waits for a worker that is finishing a reply.
-func (c *conn) dispatch(j *job) {
-	c.inflight.Add(1)
-	c.st.inFlight.Add(1)
-	select {
-	case c.work <- j:
-		return
-	default:
-	}
-	if c.workers < c.srv.maxInFlight() {
-		c.workers++
-		go c.worker(j)
-		return
-	}
-	c.work <- j
-}
-
-func (c *conn) worker(j *job) {
-	for {
-		c.handle(j)
-		var ok bool
-		if j, ok = <-c.work; !ok {
-			return
-		}
-	}
 }
 
 // handle runs one request, accounts for it and replies.
@@ -210,9 +229,8 @@ func (c *conn) handle(j *job) {
 	// Counted before the reply leaves, so a client that has its reply
 	// sees it in Stats.
 	c.reply(j)
-	c.budget.release(j.cost)
+	c.bytes.release(j.cost)
 	putJob(j)
-	c.inflight.Done()
 }
 
 // run validates and executes j, leaving the outcome in j. A panic below the
@@ -406,33 +424,33 @@ func (c *conn) send(hdr, data []byte) {
 	}
 }
 
-// budget bounds requests in flight and the bytes of buffers they hold.
-// Only the reader acquires; workers release.
+// budget bounds the bytes of buffers a connection's requests hold. Only
+// the holder of the read token acquires; any goroutine releases.
 type budget struct {
 	mu    sync.Mutex
 	cond  sync.Cond
-	slots int
 	bytes int64
 }
 
-func (b *budget) init(slots int, bytes int64) {
+func (b *budget) init(bytes int64) {
 	b.cond.L = &b.mu
-	b.slots, b.bytes = slots, bytes
+	b.bytes = bytes
 }
 
 func (b *budget) acquire(n int64) {
 	b.mu.Lock()
-	for b.slots == 0 || b.bytes < n {
+	for b.bytes < n {
 		b.cond.Wait()
 	}
-	b.slots--
 	b.bytes -= n
 	b.mu.Unlock()
 }
 
 func (b *budget) release(n int64) {
+	if n == 0 {
+		return
+	}
 	b.mu.Lock()
-	b.slots++
 	b.bytes += n
 	b.mu.Unlock()
 	b.cond.Signal()

@@ -16,6 +16,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"strings"
 	"syscall"
 	"time"
@@ -92,6 +93,7 @@ type serveFlags struct {
 	socket, listen string
 	readOnly       bool
 	flushBaseline  string
+	cpuProfile     string
 	metrics        string
 }
 
@@ -103,10 +105,18 @@ func runServe(args []string) error {
 	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")
 	fs.StringVar(&sf.metrics, "metrics", defaultMetricsAddr, "serve Prometheus /metrics on HOST:PORT ('off' disables)")
 	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
+	fs.StringVar(&sf.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file")
 	var df discardFlags
 	df.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if sf.cpuProfile != "" {
+		stop, err := startCPUProfile(sf.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer stop()
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	sig := make(chan os.Signal, 1)
@@ -190,6 +200,18 @@ func runServe(args []string) error {
 	}
 	logStats(log, flusher, discarder)
 	return nil
+}
+
+func startCPUProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
 
 // listen opens the unix socket and/or TCP listener; TCP binds loopback
