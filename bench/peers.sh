@@ -3,14 +3,17 @@
 # and runs the same fio nbd-engine workloads against each, in one run, so the
 # ratios are measured under the same machine load.
 #
-#   bench/peers.sh [SIZE_MIB] [RUNTIME_S]
+#   bench/peers.sh [SIZE_MIB] [RUNTIME_S] [ROUNDS]
 #
-# Prints a markdown table: each peer's figure (IOPS, or MiB/s for 1M rows) and
-# nbdmapper's ratio to the best peer. Results land in bench/results/.
+# Peers take turns within each round, so a burst of load from elsewhere
+# touches all of them. Prints a markdown table: each peer's median figure
+# (IOPS, or MiB/s for 1M rows) and nbdmapper's ratio to the best peer.
+# Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size_mib=${1:-1024}
 runtime=${2:-10}
+rounds=${3:-3}
 
 for tool in fio nbdkit qemu-nbd python3; do
 	command -v "$tool" >/dev/null || { echo "bench/peers.sh: $tool missing (apt-get install fio nbdkit qemu-utils)" >&2; exit 1; }
@@ -53,32 +56,39 @@ workloads=(
 )
 peers=(nbdmapper nbdkit qemu-nbd)
 
-for peer in "${peers[@]}"; do
-	sock=$work/$peer.sock
-	start_peer "$peer" "$sock"
-	for i in "${!workloads[@]}"; do
-		args=${workloads[$i]#*|}
-		# shellcheck disable=SC2086
-		fio --name=w$i --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" $args \
-			--size="${size_mib}M" --time_based --runtime="$runtime" --ramp_time=1 \
-			--group_reporting --output-format=json --output="$out/$peer-$i.json" >/dev/null
+for round in $(seq "$rounds"); do
+	for peer in "${peers[@]}"; do
+		sock=$work/$peer.sock
+		rm -f "$sock"
+		start_peer "$peer" "$sock"
+		for i in "${!workloads[@]}"; do
+			args=${workloads[$i]#*|}
+			# shellcheck disable=SC2086
+			fio --name=w$i --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" $args \
+				--size="${size_mib}M" --time_based --runtime="$runtime" --ramp_time=1 \
+				--group_reporting --output-format=json --output="$out/$peer-$i-$round.json" >/dev/null
+		done
+		kill -INT "$peer_pid"
+		wait "$peer_pid" || true
 	done
-	kill -INT "$peer_pid"
-	wait "$peer_pid" || true
 done
 
 printf '%s\n' "${workloads[@]%%|*}" >"$out/names"
-python3 - "$out" "${peers[@]}" <<'PY' | tee "$out/table.md"
-import json, sys
-out, peers = sys.argv[1], sys.argv[2:]
+python3 - "$out" "$rounds" "${peers[@]}" <<'PY' | tee "$out/table.md"
+import json, statistics, sys
+out, rounds, peers = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 names = open(f"{out}/names").read().splitlines()
 
-def figure(peer, i):
-    job = json.load(open(f"{out}/{peer}-{i}.json"))["jobs"][0]
+def one(peer, i, r):
+    job = json.load(open(f"{out}/{peer}-{i}-{r}.json"))["jobs"][0]
     side = job["read"] if job["read"]["io_bytes"] else job["write"]
     if names[i].startswith("1M"):
-        return side["bw_bytes"] / 2**20, "MiB/s"
-    return side["iops"], "IOPS"
+        return side["bw_bytes"] / 2**20
+    return side["iops"]
+
+def figure(peer, i):
+    unit = "MiB/s" if names[i].startswith("1M") else "IOPS"
+    return statistics.median(one(peer, i, r) for r in range(1, rounds + 1)), unit
 
 print("| workload | unit | " + " | ".join(peers) + " | nbdmapper / best peer |")
 print("|---|---|" + "---|" * len(peers) + "---|")
