@@ -86,11 +86,7 @@ func Attach(ctx context.Context, opts Options) error {
 	}
 	defer dev.Close()
 	fd := int(dev.Fd())
-	steps := []struct {
-		name string
-		req  uint
-		arg  uintptr
-	}{
+	steps := []step{
 		{"NBD_SET_BLKSIZE", ioctlSetBlksize, uintptr(bs)},
 		{"NBD_SET_SIZE_BLOCKS", ioctlSetSizeBlocks, uintptr(blocks)},
 		{"NBD_CLEAR_SOCK", ioctlClearSock, 0},
@@ -98,26 +94,19 @@ func Attach(ctx context.Context, opts Options) error {
 	}
 	if opts.Timeout > 0 {
 		secs := max(uintptr(opts.Timeout/time.Second), 1)
-		steps = append(steps, struct {
-			name string
-			req  uint
-			arg  uintptr
-		}{"NBD_SET_TIMEOUT", ioctlSetTimeout, secs})
-	}
-	for _, s := range steps {
-		if err := ioctl(fd, s.req, s.arg); err != nil {
-			return fmt.Errorf("%s: %s: %w", opts.Device, s.name, err)
-		}
+		steps = append(steps, step{"NBD_SET_TIMEOUT", ioctlSetTimeout, secs})
 	}
 	for _, f := range socks {
-		if err := ioctl(fd, ioctlSetSock, f.Fd()); err != nil {
-			ioctl(fd, ioctlClearSock, 0)
-			return fmt.Errorf("%s: NBD_SET_SOCK: %w", opts.Device, err)
-		}
+		steps = append(steps, step{"NBD_SET_SOCK", ioctlSetSock, f.Fd()})
 	}
 
+	setup := make(chan error, 1)
 	done := make(chan error, 1)
-	go func() { done <- doIt(fd) }()
+	go func() { done <- run(fd, steps, setup) }()
+	if err := <-setup; err != nil {
+		<-done
+		return fmt.Errorf("%s: %w", opts.Device, err)
+	}
 	stopWatch := make(chan struct{})
 	defer close(stopWatch)
 	if opts.Ready != nil {
@@ -137,26 +126,54 @@ func Attach(ctx context.Context, opts Options) error {
 	ioctl(fd, ioctlClearQue, 0)
 	ioctl(fd, ioctlClearSock, 0)
 	if err != nil {
-		return fmt.Errorf("%s: NBD_DO_IT: %w", opts.Device, err)
+		return fmt.Errorf("%s: %w", opts.Device, err)
 	}
 	return nil
 }
 
-// doIt runs NBD_DO_IT on a thread with every signal blocked: the kernel
-// waits interruptibly and tears the device down when a signal arrives, and
-// the Go runtime signals threads freely (preemption, SIGCHLD, SIGINT).
-// The thread stays locked, so it exits with the goroutine instead of
-// carrying the mask back into the scheduler.
-func doIt(fd int) error {
+// step is one configuration ioctl.
+type step struct {
+	name string
+	req  uint
+	arg  uintptr
+}
+
+// run configures the device and then serves it with NBD_DO_IT, all on one
+// OS thread with every signal blocked. One thread, because the kernel
+// remembers the task that added the first socket and refuses sockets from
+// any other ("Device being setup by another task", EBUSY), and a goroutine
+// may move between threads from one syscall to the next. Signals blocked,
+// because NBD_DO_IT waits interruptibly and tears the device down when a
+// signal arrives, and the Go runtime signals threads freely (preemption,
+// SIGCHLD, SIGINT). The thread stays locked, so it exits with the
+// goroutine instead of carrying the mask back into the scheduler.
+//
+// run sends the setup result on setup (nil once NBD_DO_IT is about to
+// start) and returns NBD_DO_IT's result.
+func run(fd int, steps []step, setup chan<- error) error {
 	runtime.LockOSThread()
 	var all unix.Sigset_t
 	for i := range all.Val {
 		all.Val[i] = ^uint64(0)
 	}
 	if err := unix.PthreadSigmask(unix.SIG_BLOCK, &all, nil); err != nil {
-		return fmt.Errorf("blocking signals: %w", err)
+		err = fmt.Errorf("blocking signals: %w", err)
+		setup <- err
+		return err
 	}
-	return ioctl(fd, ioctlDoIt, 0)
+	for _, s := range steps {
+		if err := ioctl(fd, s.req, s.arg); err != nil {
+			ioctl(fd, ioctlClearSock, 0)
+			err = fmt.Errorf("%s: %w", s.name, err)
+			setup <- err
+			return err
+		}
+	}
+	setup <- nil
+	if err := ioctl(fd, ioctlDoIt, 0); err != nil {
+		return fmt.Errorf("NBD_DO_IT: %w", err)
+	}
+	return nil
 }
 
 // Detach disconnects device: the kernel sends NBD_CMD_DISC once in-flight

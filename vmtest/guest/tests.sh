@@ -48,8 +48,9 @@ test_fs() {
 	detach
 	unserve
 	# a new server process and cold caches: the data must come from the disk
+	# (attached with four connections this time)
 	echo 3 >/proc/sys/vm/drop_caches
-	serve "$table" && attach || return 1
+	serve "$table" && attach /dev/nbd0 --connections 4 || return 1
 	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
 		cat /tmp/fsck.log
 		say "e2fsck after restart found errors"
@@ -151,7 +152,7 @@ test_discard() {
 	serve "$table" && attach || return 1
 	local n0 d0 n d
 	n0=$(blkstat nbd0 12) d0=$(blkstat "$disk" 12)
-	blkdiscard /dev/nbd0 || return 1
+	blkdiscard -f /dev/nbd0 || return 1
 	sync /dev/nbd0 # fsync: an NBD flush (BLKFLSBUF would not send one)
 	n=$(($(blkstat nbd0 12) - n0))
 	d=$(($(blkstat "$disk" 12) - d0))
@@ -180,7 +181,7 @@ test_nbd_client() {
 	head -c $((1 << 20)) /dev/urandom >/tmp/pat3
 	f0=$(blkstat nbd0 16) t0=$(blkstat nbd0 12)
 	dd if=/tmp/pat3 of=/dev/nbd0 bs=64k seek=17 conv=fsync status=none || return 1
-	blkdiscard -o $((64 << 20)) -l $((8 << 20)) /dev/nbd0 || return 1
+	blkdiscard -f -o $((64 << 20)) -l $((8 << 20)) /dev/nbd0 || return 1
 	echo 3 >/proc/sys/vm/drop_caches
 	cmp -n $((1 << 20)) /tmp/pat3 <(dd if=/dev/nbd0 bs=64k skip=17 iflag=direct status=none) || return 1
 	local f=$(($(blkstat nbd0 16) - f0)) t=$(($(blkstat nbd0 12) - t0))
