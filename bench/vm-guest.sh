@@ -12,7 +12,7 @@
 # With REPS > 1 the cases run in REPS interleaved rounds, so that a slow
 # spell of the (shared) host hits every case alike.
 set -uo pipefail
-. "$VMTEST_REPO/vmtest/guest/lib.sh"
+. "$(dirname "$(realpath "$0")")/lib.sh" # run.sh puts it beside this script
 runtime=${1:-20}
 reps=${2:-1}
 shift 2 || shift $#

@@ -149,13 +149,13 @@ fi
 
 rm -f "$out/disk.img"
 truncate -s "${disk_mb}M" "$out/disk.img"
-# /tmp, /run and /var/tmp are the guest's own: bring a script from there along.
-case $script in
-/tmp/* | /run/* | /var/tmp/*)
-	cp "$script" "$out/script.sh"
-	script=/tmp/vmout/script.sh
-	;;
-esac
+# The guest's /tmp, /run and /var/tmp are its own, and the checkout may live
+# there (CI clones into a temporary folder): always bring the script along,
+# with the guest library beside it, in the shared folder.
+mkdir -p "$out/guest"
+cp "$repo/vmtest/guest/lib.sh" "$out/guest/lib.sh"
+cp "$script" "$out/guest/$(basename "$script")"
+script=/tmp/vmout/guest/$(basename "$script")
 {
 	printf 'export VMOUT=/tmp/vmout NBDMAPPER=/tmp/vmout/nbdmapper VMTEST_REPO=%q\n' "$repo"
 	printf 'export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n'
