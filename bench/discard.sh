@@ -81,7 +81,7 @@ for ((r = 0; r < reps; r++)); do
 			sync
 			trace=()
 			[ -n "$strace" ] && trace=("$strace" -f -qq --seccomp-bpf -c -e trace=fallocate -o "$out/$id.strace")
-			"${trace[@]}" "$work/nbdmapper" serve --socket "$sock" $sflags "bench=$work/interleaved.table" 2>"$out/$id.log" &
+			"${trace[@]}" "$work/nbdmapper" serve --metrics off --socket "$sock" $sflags "bench=$work/interleaved.table" 2>"$out/$id.log" &
 			pid=$!
 			for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
 			[ -S "$sock" ] || { echo "nbdmapper did not start" >&2; cat "$out/$id.log" >&2; exit 1; }

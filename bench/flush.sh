@@ -14,7 +14,7 @@
 # after every write), iodepth 1, with 1 job and with 16 jobs (connections).
 # Syncs per flush come from the server's "flush stats" log line at shutdown.
 #
-#   bench/flush.sh [RUNTIME_S] [REPS] [JOBS...]   defaults: 10 s, 3, jobs 1 16
+#   [FILL=written] bench/flush.sh [RUNTIME_S] [REPS] [JOBS...]   defaults: 10 s, 3, jobs 1 16
 #
 # Every run starts on freshly created sparse backing files, so that each case
 # pays the same block allocation. Cases are interleaved REPS times and the
@@ -45,7 +45,19 @@ total=$((segs * seglen))
 one=$work/one.img
 a=$work/a.img
 b=$work/b.img
+# FILL=written: write the backing files out once and keep them, so every
+# case overwrites allocated blocks and the filesystem allocates nothing;
+# this separates nbdmapper's cost from ext4's cost of allocating into a
+# fragmented sparse file. Default (sparse): fresh sparse files every run.
+fill=${FILL:-sparse}
 fresh_files() {
+	if [ "$fill" = written ]; then
+		[ -f "$one" ] && return
+		dd if=/dev/zero of="$one" bs=4M count=$((segs * stride * 512 / (4 << 20))) conv=fsync status=none
+		dd if=/dev/zero of="$a" bs=4M count=$((segs / 2 * stride * 512 / (4 << 20))) conv=fsync status=none
+		cp --sparse=never "$a" "$b" && sync "$b"
+		return
+	fi
 	rm -f "$one" "$a" "$b"
 	truncate -s $((segs * stride * 512)) "$one"
 	truncate -s $((segs / 2 * stride * 512)) "$a" "$b"
@@ -82,7 +94,7 @@ for jobs in "${jobs_list[@]}"; do
 		fresh_files
 		sock=$work/$id.sock
 		# shellcheck disable=SC2086
-		"$work/nbdmapper" serve --socket "$sock" $flags "bench=$work/$tab.table" 2>"$out/$id.log" &
+		"$work/nbdmapper" serve --metrics off --socket "$sock" $flags "bench=$work/$tab.table" 2>"$out/$id.log" &
 		pid=$!
 		for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
 		[ -S "$sock" ] || { echo "nbdmapper did not start" >&2; cat "$out/$id.log" >&2; exit 1; }
@@ -99,7 +111,7 @@ done
 
 {
 	echo "machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), kernel $(uname -r)," \
-		"filesystem $(df -T "$work" | awk 'NR==2 {print $2}'), $(fio --version), ${reps} x ${runtime}s per row"
+		"filesystem $(df -T "$work" | awk 'NR==2 {print $2}'), $(fio --version), ${reps} x ${runtime}s per row, backing files $fill"
 	echo
 } >"$out/machine"
 python3 - "$out" <<'PY' | tee "$out/table.md"

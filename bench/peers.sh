@@ -35,7 +35,7 @@ echo "0 $sectors linear $disk 0" >"$work/one.table"
 start_peer() { # name socket
 	local name=$1 sock=$2
 	case $name in
-	nbdmapper) "$work/nbdmapper" serve --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
+	nbdmapper) "$work/nbdmapper" serve --metrics off --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
 	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
 		--cache writeback --aio threads "$disk" 2>"$out/$name.log" & ;;

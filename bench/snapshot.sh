@@ -60,7 +60,7 @@ fresh() { # fresh CHUNK: new sparse files and tables
 
 serve() { # serve ID: start the server on a fresh socket
 	sock=$work/$1.sock
-	"$work/nbdmapper" serve --socket "$sock" "base=$work/base.table" "snap=$work/snap.table" 2>"$out/$1.log" &
+	"$work/nbdmapper" serve --metrics off --socket "$sock" "base=$work/base.table" "snap=$work/snap.table" 2>"$out/$1.log" &
 	pid=$!
 	for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
 	[ -S "$sock" ] || { echo "nbdmapper did not start" >&2; cat "$out/$1.log" >&2; exit 1; }
