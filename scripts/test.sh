@@ -4,7 +4,7 @@
 # fetches Go modules, vets, and runs every test with the race detector,
 # including the guest-VM tests of the kernel's nbd driver.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."
 
 packages=(
 	libnbd-bin      # nbdinfo, nbdsh, nbdcopy
@@ -28,7 +28,7 @@ done
 if ((${#missing[@]})); then
 	sudo=""
 	[ "$(id -u)" = 0 ] || sudo=sudo
-	echo "test.sh: installing ${missing[*]}"
+	echo "scripts/test.sh: installing ${missing[*]}"
 	$sudo apt-get update -q
 	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
