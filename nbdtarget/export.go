@@ -1,7 +1,6 @@
 package nbdtarget
 
 import (
-	"errors"
 	"sync"
 
 	"github.com/nbdmapper/nbdmapper/backing"
@@ -275,6 +274,3 @@ func appendUnique(devs []backing.Device, d backing.Device) []backing.Device {
 	}
 	return append(devs, d)
 }
-
-// IsTargetError reports whether err came from an error target.
-func IsTargetError(err error) bool { return errors.Is(err, table.ErrTarget) }
