@@ -30,19 +30,11 @@ cd "$(dirname "$0")/.."
 iodepth=${1:-32}
 reps=${2:-3}
 
-for tool in fio python3 go fallocate; do
-	command -v "$tool" >/dev/null || { echo "bench/discard.sh: $tool missing" >&2; exit 1; }
-done
-fio --enghelp=nbd >/dev/null 2>&1 || { echo "bench/discard.sh: fio lacks the nbd engine" >&2; exit 1; }
+. bench/lib.sh
+bench_setup discard fio python3 go fallocate
 nbdsh=$(command -v nbdsh) || { echo "bench/discard.sh: nbdsh missing (libnbd-bin)" >&2; exit 1; }
 strace=
 [ "${STRACE:-1}" != 0 ] && strace=$(command -v strace || true)
-
-out=bench/results/discard-$(date +%Y%m%d-%H%M%S)
-mkdir -p "$out"
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"' EXIT
-go build -o "$work/nbdmapper" ./cmd/nbdmapper
 
 segs=1024 seglen=2048 # sectors: 1 MiB segments, a 1 GiB device
 a=$work/a.img
@@ -83,8 +75,7 @@ for ((r = 0; r < reps; r++)); do
 			[ -n "$strace" ] && trace=("$strace" -f -qq --seccomp-bpf -c -e trace=fallocate -o "$out/$id.strace")
 			"${trace[@]}" "$work/nbdmapper" serve --metrics off --socket "$sock" $sflags "bench=$work/interleaved.table" 2>"$out/$id.log" &
 			pid=$!
-			for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
-			[ -S "$sock" ] || { echo "nbdmapper did not start" >&2; cat "$out/$id.log" >&2; exit 1; }
+			wait_socket "$sock" "$pid" "$out/$id.log"
 			start=$(date +%s.%N)
 			# shellcheck disable=SC2086
 			PATH=$(dirname "$nbdsh"):$PATH $(echo "$wcmd" | sed "s|SOCK|$sock|; s|OUT|$out/$id.json|") >"$out/$id.client" 2>"$out/$id.err" ||

@@ -29,16 +29,8 @@ reps=${2:-3}
 shift 2 || shift $# || true
 if [ $# -gt 0 ]; then jobs_list=("$@"); else jobs_list=(1 16); fi
 
-for tool in fio python3 go; do
-	command -v "$tool" >/dev/null || { echo "bench/flush.sh: $tool missing (apt-get install fio)" >&2; exit 1; }
-done
-fio --enghelp=nbd >/dev/null 2>&1 || { echo "bench/flush.sh: fio lacks the nbd engine" >&2; exit 1; }
-
-out=bench/results/flush-$(date +%Y%m%d-%H%M%S)
-mkdir -p "$out"
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"' EXIT
-go build -o "$work/nbdmapper" ./cmd/nbdmapper
+. bench/lib.sh
+bench_setup flush fio python3 go
 
 segs=1024 seglen=8000 stride=16384
 total=$((segs * seglen))
@@ -96,8 +88,7 @@ for jobs in "${jobs_list[@]}"; do
 		# shellcheck disable=SC2086
 		"$work/nbdmapper" serve --metrics off --socket "$sock" $flags "bench=$work/$tab.table" 2>"$out/$id.log" &
 		pid=$!
-		for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
-		[ -S "$sock" ] || { echo "nbdmapper did not start" >&2; cat "$out/$id.log" >&2; exit 1; }
+		wait_socket "$sock" "$pid" "$out/$id.log"
 		fio --name=flush --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" \
 			--rw=randwrite --bs=4k --iodepth=1 --fsync=1 --numjobs="$jobs" \
 			--size=$((total * 512)) --time_based --runtime="$runtime" \

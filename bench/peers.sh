@@ -15,16 +15,8 @@ size_mib=${1:-1024}
 runtime=${2:-10}
 rounds=${3:-3}
 
-for tool in fio nbdkit qemu-nbd python3; do
-	command -v "$tool" >/dev/null || { echo "bench/peers.sh: $tool missing (apt-get install fio nbdkit qemu-utils)" >&2; exit 1; }
-done
-
-out=bench/results/peers-$(date +%Y%m%d-%H%M%S)
-mkdir -p "$out"
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"' EXIT
-
-go build -o "$work/nbdmapper" ./cmd/nbdmapper
+. bench/lib.sh
+bench_setup peers fio nbdkit qemu-nbd python3 go
 disk=$work/disk.img
 # A fully allocated file, so no peer pays for allocating holes during the run.
 fallocate -l "${size_mib}M" "$disk"
@@ -41,8 +33,7 @@ start_peer() { # name socket
 		--cache writeback --aio threads "$disk" 2>"$out/$name.log" & ;;
 	esac
 	peer_pid=$!
-	for _ in $(seq 100); do [ -S "$sock" ] && return; sleep 0.1; done
-	echo "$name did not start" >&2; cat "$out/$name.log" >&2; exit 1
+	wait_socket "$sock" "$peer_pid" "$out/$name.log"
 }
 
 # name | fio args

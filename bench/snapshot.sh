@@ -29,20 +29,8 @@ cd "$(dirname "$0")/.."
 runtime=${1:-10}
 reps=${2:-3}
 
-for tool in fio python3 go; do
-	command -v "$tool" >/dev/null || { echo "bench/snapshot.sh: $tool missing" >&2; exit 1; }
-done
-fio --enghelp=nbd >/dev/null 2>&1 || { echo "bench/snapshot.sh: fio lacks the nbd engine" >&2; exit 1; }
-
-out=bench/results/snapshot-$(date +%Y%m%d-%H%M%S)
-mkdir -p "$out"
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"' EXIT
-if [ -n "${NBDMAPPER_BIN:-}" ]; then
-	cp "$NBDMAPPER_BIN" "$work/nbdmapper"
-else
-	go build -o "$work/nbdmapper" ./cmd/nbdmapper
-fi
+. bench/lib.sh
+bench_setup snapshot fio python3 go
 
 segs=1024 seglen=8000 stride=16384
 total=$((segs * seglen))
@@ -62,8 +50,7 @@ serve() { # serve ID: start the server on a fresh socket
 	sock=$work/$1.sock
 	"$work/nbdmapper" serve --metrics off --socket "$sock" "base=$work/base.table" "snap=$work/snap.table" 2>"$out/$1.log" &
 	pid=$!
-	for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.05; done
-	[ -S "$sock" ] || { echo "nbdmapper did not start" >&2; cat "$out/$1.log" >&2; exit 1; }
+	wait_socket "$sock" "$pid" "$out/$1.log"
 }
 
 run_fio() { # run_fio ID EXPORT SIZE

@@ -1,0 +1,42 @@
+# Shared by the bench scripts; source it from the repository root.
+#
+#   bench_setup NAME TOOL...   checks the tools (and fio's nbd engine, when
+#                              fio is one), makes $out (bench/results/NAME-<time>)
+#                              and $work (a temporary folder removed on exit,
+#                              after any server still running is killed), and
+#                              puts the binary under test at $work/nbdmapper:
+#                              $NBDMAPPER_BIN if set, else built from this checkout.
+#   wait_socket SOCK PID LOG   waits until the server PID listens on SOCK;
+#                              if it exits first, prints LOG and fails.
+
+bench_setup() {
+	local name=$1 tool
+	shift
+	for tool in "$@"; do
+		command -v "$tool" >/dev/null || { echo "bench/$name.sh: $tool missing (see scripts/test.sh for the Debian packages)" >&2; exit 1; }
+		if [ "$tool" = fio ]; then
+			fio --enghelp=nbd >/dev/null 2>&1 || { echo "bench/$name.sh: fio lacks the nbd engine" >&2; exit 1; }
+		fi
+	done
+	out=bench/results/$name-$(date +%Y%m%d-%H%M%S)
+	mkdir -p "$out"
+	work=$(mktemp -d)
+	trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"' EXIT
+	if [ -n "${NBDMAPPER_BIN:-}" ]; then
+		cp "$NBDMAPPER_BIN" "$work/nbdmapper"
+	else
+		go build -o "$work/nbdmapper" ./cmd/nbdmapper
+	fi
+}
+
+wait_socket() {
+	local sock=$1 pid=$2 log=$3
+	until [ -S "$sock" ]; do
+		if ! kill -0 "$pid" 2>/dev/null; then
+			echo "server did not start:" >&2
+			cat "$log" >&2
+			exit 1
+		fi
+		sleep 0.05
+	done
+}
