@@ -5,32 +5,35 @@ import (
 	"errors"
 	"fmt"
 	"io"
+
+	"github.com/pojntfx/go-nbd/pkg/protocol"
 )
 
 // Client side of the fixed-newstyle handshake, just enough to hand a socket
 // to the kernel: the kernel then speaks the transmission phase itself, with
 // simple replies only, so no structured replies or meta contexts are asked
-// for. All integers are big-endian.
+// for. All integers are big-endian. The values come from go-nbd's protocol
+// package, as the server's (nbdtarget/wire.go) do, so both ends of the
+// project share one source for them.
 const (
-	nbdMagic      = 0x4e42444d41474943 // "NBDMAGIC": u64, first thing the server sends
-	ihaveOpt      = 0x49484156454F5054 // "IHAVEOPT": u64, after it, and before every option
-	optReplyMagic = 0x3e889045565a9    // u64, starts every option reply
+	nbdMagic      = protocol.NEGOTIATION_MAGIC_OLDSTYLE // "NBDMAGIC": u64, first thing the server sends
+	ihaveOpt      = protocol.NEGOTIATION_MAGIC_OPTION   // "IHAVEOPT": u64, after it, and before every option
+	optReplyMagic = protocol.NEGOTIATION_MAGIC_REPLY    // u64, starts every option reply
 
-	flagFixedNewstyle = 1 << 0 // handshake flag (u16) and client flag (u32)
+	flagFixedNewstyle = protocol.NEGOTIATION_HANDSHAKE_FLAG_FIXED_NEWSTYLE // handshake flag (u16) and client flag (u32)
 	flagNoZeroes      = 1 << 1
 
-	optExportName = 1 // data: name; reply: u64 size, u16 flags, [124 zero bytes]
-	optAbort      = 2
-	optGo         = 7 // data: u32 len, name, u16 n, n * u16 info type
+	optExportName = 1                                    // data: name; reply: u64 size, u16 flags, [124 zero bytes]
+	optAbort      = protocol.NEGOTIATION_ID_OPTION_ABORT // no data
+	optGo         = protocol.NEGOTIATION_ID_OPTION_GO    // data: u32 len, name, u16 n, n * u16 info type
 
-	repAck  = 1 // option done
-	repInfo = 3 // data: u16 info type, then type-specific fields
-	repErr  = 1 << 31
+	repAck   = protocol.NEGOTIATION_TYPE_REPLY_ACK             // option done
+	repInfo  = protocol.NEGOTIATION_TYPE_REPLY_INFO            // data: u16 info type, then type-specific fields
+	repErr   = 1 << 31                                         // set in every error reply type
+	errUnsup = protocol.NEGOTIATION_TYPE_REPLY_ERR_UNSUPPORTED // option not supported
 
-	errUnsup = repErr | 1
-
-	infoExport    = 0 // u64 size, u16 transmission flags
-	infoBlockSize = 3 // u32 minimum, u32 preferred, u32 maximum payload
+	infoExport    = protocol.NEGOTIATION_TYPE_INFO_EXPORT    // u64 size, u16 transmission flags
+	infoBlockSize = protocol.NEGOTIATION_TYPE_INFO_BLOCKSIZE // u32 minimum, u32 preferred, u32 maximum payload
 )
 
 // Transmission flags (u16) the kernel cares about.
