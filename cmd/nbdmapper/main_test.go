@@ -206,3 +206,21 @@ func lastLine(s string) string {
 	}
 	return last
 }
+
+// --cpuprofile writes a whole-run Go CPU profile, finished at shutdown.
+func TestServeCPUProfile(t *testing.T) {
+	dir := t.TempDir()
+	sparse.Create(t, filepath.Join(dir, "a.img"), 1<<20)
+	os.WriteFile(filepath.Join(dir, "t.table"), []byte("0 2048 linear a.img 0\n"), 0o644)
+	profile := filepath.Join(dir, "cpu.pprof")
+	s := serve(t, dir, "--cpuprofile", profile, "t=t.table")
+	s.Stop(t)
+	b, err := os.ReadFile(profile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A pprof profile is a gzipped protobuf.
+	if len(b) < 2 || b[0] != 0x1f || b[1] != 0x8b {
+		t.Fatalf("%s is not a gzipped profile (%d bytes)", profile, len(b))
+	}
+}
