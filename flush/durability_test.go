@@ -150,10 +150,11 @@ func TestDurabilitySIGKILL(t *testing.T) {
 			t.Fatal(err)
 		}
 		durable := m.check(t, func(block int, p []byte) {
-			tab.Map(int64(block*blockSize), blockSize, func(e table.Extent) {
+			tab.Map(int64(block*blockSize), blockSize, func(e table.Extent) bool {
 				if _, err := e.Dev.ReadAt(p[e.VOff-int64(block*blockSize):][:e.Len], e.Off); err != nil {
 					t.Fatal(err)
 				}
+				return true
 			})
 		})
 		pool.Close()

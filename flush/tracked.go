@@ -216,3 +216,7 @@ func (t *tracked) syncNow() error {
 	}
 	return err
 }
+
+// Unwrap returns the inner device, for operations that do not change it
+// (backing.Cache).
+func (t *tracked) Unwrap() backing.Device { return t.Device }

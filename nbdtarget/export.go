@@ -47,33 +47,30 @@ func (x *Export) ReadAt(p []byte, off int64) error {
 func (x *Export) readAt(p []byte, off int64) (failed int64, err error) {
 	r := readerPool.Get().(*extentReader)
 	r.p, r.off = p, off
-	x.Table.Map(off, int64(len(p)), r.emit)
+	x.Table.Map(off, int64(len(p)), r.yield)
 	failed, err = r.failed, r.err
-	*r = extentReader{emit: r.emit}
+	*r = extentReader{yield: r.yield}
 	readerPool.Put(r)
 	return failed, err
 }
 
 // extentReader carries readAt's state through Table.Map. It is pooled with
-// its emit func bound once, so a read allocates no closure.
+// its yield func bound once, so a read allocates no closure.
 type extentReader struct {
 	p      []byte
 	off    int64
 	err    error
 	failed int64
-	emit   func(table.Extent)
+	yield  func(table.Extent) bool
 }
 
 var readerPool = sync.Pool{New: func() any {
 	r := new(extentReader)
-	r.emit = r.read
+	r.yield = r.read
 	return r
 }}
 
-func (r *extentReader) read(e table.Extent) {
-	if r.err != nil {
-		return
-	}
+func (r *extentReader) read(e table.Extent) bool {
 	buf := r.p[e.VOff-r.off : e.VOff-r.off+e.Len]
 	switch e.Kind {
 	case table.KindMapped:
@@ -86,22 +83,22 @@ func (r *extentReader) read(e table.Extent) {
 	if r.err != nil {
 		r.failed = e.VOff
 	}
+	return r.err == nil
 }
 
-// Cache reads [off, off+n) through into the backing devices' caches (the
-// page cache, for files) and drops the data. It fails where a read would.
-func (x *Export) Cache(off, n int64) error {
-	const chunk = 1 << 20
-	bp := getBuf(int(min(n, chunk)))
-	defer putBuf(bp)
-	for end := off + n; off < end; {
-		m := min(end-off, chunk)
-		if err := x.ReadAt((*bp)[:m], off); err != nil {
-			return err
+// Cache asks the backing devices to bring [off, off+n) into their caches
+// (the page cache, for files): natively where a device can (readahead),
+// otherwise by reading through buf and dropping the data. It fails where a
+// read would.
+func (x *Export) Cache(off, n int64, buf []byte) error {
+	return x.walk(off, n, nil, func(exts []discard.Extent) error {
+		for _, e := range exts {
+			if err := backing.Cache(e.Dev, e.Off, e.Len, buf); err != nil {
+				return err
+			}
 		}
-		off += m
-	}
-	return nil
+		return nil
+	})
 }
 
 // WriteAt writes p to the virtual device at off. With fua it returns only
@@ -114,10 +111,7 @@ func (x *Export) WriteAt(p []byte, off int64, fua bool) error {
 	}
 	var err error
 	var touched []backing.Device
-	x.Table.Map(off, int64(len(p)), func(e table.Extent) {
-		if err != nil {
-			return
-		}
+	x.Table.Map(off, int64(len(p)), func(e table.Extent) bool {
 		switch e.Kind {
 		case table.KindMapped:
 			x.Discard.Claim(e.Dev, e.Off, e.Len)
@@ -126,6 +120,7 @@ func (x *Export) WriteAt(p []byte, off int64, fua bool) error {
 		case table.KindError:
 			err = table.ErrTarget
 		}
+		return err == nil
 	})
 	if err == nil && fua {
 		err = x.Flush.Flush(touched)
@@ -145,58 +140,74 @@ func (x *Export) FlushAll() error {
 	return x.Flush.Flush(x.devices())
 }
 
+// WalkExtents bounds the device extents that a trim, zeroing or cache
+// request holds at once, whatever its length: Trim, WriteZeroes and Cache
+// walk their range in pieces of at most this many extents, and BlockStatus
+// answers for at most this many (a prefix of the range, as NBD allows).
+const WalkExtents = 1024
+
 // Trim discards [off, off+n): zero targets drop it, error targets fail it.
-func (x *Export) Trim(off, n int64, fua bool) error {
-	exts, err := x.mapped(off, n)
-	if err != nil {
-		return err
-	}
-	if err := x.Discard.Discard(exts); err != nil {
-		return err
-	}
-	return x.fua(fua, exts)
-}
+func (x *Export) Trim(off, n int64, fua bool) error { return x.trim(off, n, fua, nil) }
 
 // WriteZeroes makes [off, off+n) read as zeros; see discard.Engine.Zero.
 func (x *Export) WriteZeroes(off, n int64, mayPunch, fast, fua bool) error {
-	exts, err := x.mapped(off, n)
-	if err != nil {
-		return err
-	}
-	for _, e := range exts {
-		x.Discard.Claim(e.Dev, e.Off, e.Len)
-	}
-	if err := x.Discard.Zero(exts, mayPunch, fast); err != nil {
-		return err
-	}
-	return x.fua(fua, exts)
+	return x.writeZeroes(off, n, mayPunch, fast, fua, nil)
 }
 
-func (x *Export) fua(fua bool, exts []discard.Extent) error {
-	if !fua {
-		return nil
-	}
-	var touched []backing.Device
-	for _, e := range exts {
-		touched = appendUnique(touched, e.Dev)
-	}
-	return x.Flush.Flush(touched)
+// trim is Trim with scratch space for the walk (see walk).
+func (x *Export) trim(off, n int64, fua bool, exts []discard.Extent) error {
+	err := x.walk(off, n, exts, x.Discard.Discard)
+	return x.fua(fua, err)
 }
 
-// mapped maps [off, off+n) to device extents, dropping zero-target parts and
-// failing on error-target parts.
-func (x *Export) mapped(off, n int64) ([]discard.Extent, error) {
-	var exts []discard.Extent
+func (x *Export) writeZeroes(off, n int64, mayPunch, fast, fua bool, exts []discard.Extent) error {
+	err := x.walk(off, n, exts, func(exts []discard.Extent) error {
+		for _, e := range exts {
+			x.Discard.Claim(e.Dev, e.Off, e.Len)
+		}
+		return x.Discard.Zero(exts, mayPunch, fast)
+	})
+	return x.fua(fua, err)
+}
+
+// fua makes a completed trim or zeroing durable. It flushes every device of
+// the export rather than remembering which ones a long request touched:
+// the flush engine skips devices that are clean.
+func (x *Export) fua(fua bool, err error) error {
+	if !fua || err != nil {
+		return err
+	}
+	return x.Flush.Flush(x.devices())
+}
+
+// walk covers [off, off+n) with device extents (Table.Cover: any order,
+// adjacent pieces joined), dropping zero-target parts and failing on
+// error-target parts, and hands them to fn in pieces of at most
+// WalkExtents, reusing exts's storage (which may be nil). Pieces before an
+// error target have been handed over when walk fails on it.
+func (x *Export) walk(off, n int64, exts []discard.Extent, fn func([]discard.Extent) error) error {
+	if cap(exts) < WalkExtents {
+		exts = make([]discard.Extent, 0, WalkExtents)
+	}
+	exts = exts[:0]
 	var err error
-	x.Table.Map(off, n, func(e table.Extent) {
+	x.Table.Cover(off, n, func(e table.Extent) bool {
 		switch e.Kind {
 		case table.KindMapped:
 			exts = append(exts, discard.Extent{Dev: e.Dev, Off: e.Off, Len: e.Len})
+			if len(exts) == WalkExtents {
+				err = fn(exts)
+				exts = exts[:0]
+			}
 		case table.KindError:
 			err = table.ErrTarget
 		}
+		return err == nil
 	})
-	return exts, err
+	if err == nil && len(exts) > 0 {
+		err = fn(exts)
+	}
+	return err
 }
 
 // Status flags of a block status extent (NBD base:allocation).
@@ -218,9 +229,14 @@ func (x *Export) BlockStatus(off, n int64) ([]BlockExtent, error) {
 	return x.blockStatus(off, n, 0, nil)
 }
 
+// holeQuery bounds the range one Device.Holes call is asked about, so that
+// a fragmented file cannot make one call return an unbounded list.
+const holeQuery = 64 << 20
+
 // blockStatus is BlockStatus appending to out and stopping at limit extents
-// (0: no limit). The extents then cover a prefix of the range, which NBD
-// allows; REQ_ONE asks for limit 1.
+// (0: no limit). It also stops after WalkExtents table extents. The
+// extents then cover a prefix of the range, which NBD allows; REQ_ONE asks
+// for limit 1.
 func (x *Export) blockStatus(off, n int64, limit int, out []BlockExtent) ([]BlockExtent, error) {
 	var err error
 	full := false
@@ -238,30 +254,34 @@ func (x *Export) blockStatus(off, n int64, limit int, out []BlockExtent) ([]Bloc
 		}
 		out = append(out, BlockExtent{Len: length, Flags: flags})
 	}
-	x.Table.Map(off, n, func(e table.Extent) {
-		if err != nil || full {
-			return
-		}
+	walked := 0
+	x.Table.Map(off, n, func(e table.Extent) bool {
 		switch e.Kind {
 		case table.KindZero:
 			add(e.Len, StateHole|StateZero)
 		case table.KindError:
 			add(e.Len, 0)
 		case table.KindMapped:
-			var holes []backing.Range
-			holes, err = e.Dev.Holes(e.Off, e.Len)
-			pos := e.Off
-			for _, h := range holes {
-				if h.Off > pos {
-					add(h.Off-pos, 0)
+			end := e.Off + e.Len
+			for q := e.Off; q < end && !full && err == nil; q += holeQuery {
+				qEnd := min(end, q+holeQuery)
+				var holes []backing.Range
+				holes, err = e.Dev.Holes(q, qEnd-q)
+				pos := q
+				for _, h := range holes {
+					if h.Off > pos {
+						add(h.Off-pos, 0)
+					}
+					add(h.Len, StateHole|StateZero)
+					pos = h.End()
 				}
-				add(h.Len, StateHole|StateZero)
-				pos = h.End()
-			}
-			if end := e.Off + e.Len; pos < end {
-				add(end-pos, 0)
+				if pos < qEnd {
+					add(qEnd-pos, 0)
+				}
 			}
 		}
+		walked++
+		return err == nil && !full && walked < WalkExtents
 	})
 	return out, err
 }

@@ -12,9 +12,10 @@ import (
 func (x *Export) writeFUA(p []byte, off int64) (handled bool, err error) {
 	var ext table.Extent
 	n := 0
-	x.Table.Map(off, int64(len(p)), func(e table.Extent) {
+	x.Table.Map(off, int64(len(p)), func(e table.Extent) bool {
 		ext = e
 		n++
+		return n == 1
 	})
 	if n != 1 || ext.Kind != table.KindMapped {
 		return false, nil

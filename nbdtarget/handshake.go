@@ -145,7 +145,9 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 // optInfo handles INFO and GO:
 //
 //	C: u32 name length | name | u16 number of info requests | u16 info type...
-//	S: REP_INFO(EXPORT), REP_INFO(BLOCK_SIZE), [REP_INFO(NAME)], [REP_INFO(DESCRIPTION)], ACK
+//	S: REP_INFO(EXPORT), then for what was asked: [REP_INFO(BLOCK_SIZE)],
+//	   [REP_INFO(NAME)], [REP_INFO(DESCRIPTION)] (only if the operator set
+//	   one); then ACK
 func (c *conn) optInfo(id uint32, data []byte) (*Export, error) {
 	d := optData{b: data}
 	name := d.str(d.u32())
@@ -171,18 +173,18 @@ func (c *conn) optInfo(id uint32, data []byte) (*Export, error) {
 	if err := c.optReply(id, repInfo, b); err != nil {
 		return nil, err
 	}
-	// Block size is sent whether asked for or not: it is how clients learn
-	// the 32 MiB payload limit.
-	b = binary.BigEndian.AppendUint16(b[:0], infoBlockSize)
-	b = binary.BigEndian.AppendUint32(b, MinBlockSize)
-	b = binary.BigEndian.AppendUint32(b, PreferredBlockSize)
-	b = binary.BigEndian.AppendUint32(b, MaxPayload)
-	if err := c.optReply(id, repInfo, b); err != nil {
-		return nil, err
-	}
-	sentName, sentDesc := false, false
+	sentName, sentDesc, sentBlock := false, false, false
 	for _, r := range reqs {
 		switch {
+		case r == infoBlockSize && !sentBlock:
+			// Only to clients that ask: asking promises to keep within
+			// the limits, and the others may send READ and WRITE of any
+			// length, which are served piece by piece.
+			sentBlock = true
+			b = binary.BigEndian.AppendUint16(b[:0], infoBlockSize)
+			b = binary.BigEndian.AppendUint32(b, MinBlockSize)
+			b = binary.BigEndian.AppendUint32(b, PreferredBlockSize)
+			b = binary.BigEndian.AppendUint32(b, MaxPayload)
 		case r == infoName && !sentName:
 			sentName = true
 			b = binary.BigEndian.AppendUint16(b[:0], infoName)

@@ -25,8 +25,8 @@ func (t linearT) Type() string              { return "linear" }
 func (t linearT) Args() []string            { return []string{t.dev.Name(), strconv.FormatInt(t.off/512, 10)} }
 func (t linearT) Status() string            { return "" }
 func (t linearT) Devices() []backing.Device { return []backing.Device{t.dev} }
-func (t linearT) Map(off, n int64, emit func(table.Extent)) {
-	emit(table.Extent{Kind: table.KindMapped, Dev: t.dev, Off: t.off + off, VOff: off, Len: n})
+func (t linearT) Map(off, n int64, yield func(table.Extent) bool) bool {
+	return yield(table.Extent{Kind: table.KindMapped, Dev: t.dev, Off: t.off + off, VOff: off, Len: n})
 }
 
 type kindT table.Kind
@@ -40,8 +40,8 @@ func (t kindT) Type() string {
 func (t kindT) Args() []string            { return nil }
 func (t kindT) Status() string            { return "" }
 func (t kindT) Devices() []backing.Device { return nil }
-func (t kindT) Map(off, n int64, emit func(table.Extent)) {
-	emit(table.Extent{Kind: table.Kind(t), VOff: off, Len: n})
+func (t kindT) Map(off, n int64, yield func(table.Extent) bool) bool {
+	return yield(table.Extent{Kind: table.Kind(t), VOff: off, Len: n})
 }
 
 // seg is one table line in bytes (multiples of 512) for test layouts.

@@ -9,7 +9,10 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
+
+	"golang.org/x/sync/semaphore"
 )
 
 // ErrServerClosed is returned by Serve after Shutdown.
@@ -26,12 +29,30 @@ type Server struct {
 	Logger  *slog.Logger
 
 	// MaxInFlight bounds the requests one connection has in flight
-	// (default 64). MaxInFlightBytes bounds the payload and read buffers
-	// they hold (default 64 MiB, at least MaxPayload). When either is
-	// reached the server stops reading from that connection until a
-	// request completes.
+	// (default 64). MaxInFlightBytes bounds the memory they hold (default
+	// 64 MiB, at least MaxPayload). When either is reached the server stops
+	// reading from that connection until a request completes.
 	MaxInFlight      int
 	MaxInFlightBytes int64
+
+	// Memory bounds the memory every request of every connection holds
+	// together: payload and read buffers and each request's working set
+	// (see cost). Default DefaultMemory; at least MaxPayload. A request
+	// that does not fit waits, in arrival order; it is not failed.
+	Memory int64
+
+	// MaxConnections bounds the connections open at once, handshakes
+	// included (default DefaultMaxConnections); the excess is closed at
+	// once, before the greeting, and counted in Stats.Refused.
+	MaxConnections int
+
+	// HandshakeTimeout closes a connection that has not finished the
+	// handshake in time (default DefaultHandshakeTimeout).
+	HandshakeTimeout time.Duration
+
+	// OnPanic, if set, is called with every panic recovered from request
+	// code, after it has been logged and turned into an EIO reply.
+	OnPanic func(v any, stack []byte)
 
 	// Observe, if set, is called once per completed request (DISC excepted)
 	// with the export name, the op name (see Ops), the bytes transferred
@@ -43,6 +64,8 @@ type Server struct {
 
 	initOnce sync.Once
 	stats    map[*Export]*exportStats
+	mem      *semaphore.Weighted
+	counters serverCounters
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
@@ -60,7 +83,36 @@ func (s *Server) init() {
 		if s.Logger == nil {
 			s.Logger = slog.New(slog.DiscardHandler)
 		}
+		s.mem = semaphore.NewWeighted(s.memory())
 	})
+}
+
+// Defaults for the Server's limits.
+const (
+	DefaultMemory           = 256 << 20
+	DefaultMaxConnections   = 256
+	DefaultHandshakeTimeout = 30 * time.Second
+)
+
+func (s *Server) memory() int64 {
+	if s.Memory > 0 {
+		return max(s.Memory, MaxPayload)
+	}
+	return DefaultMemory
+}
+
+func (s *Server) maxConnections() int {
+	if s.MaxConnections > 0 {
+		return s.MaxConnections
+	}
+	return DefaultMaxConnections
+}
+
+func (s *Server) handshakeTimeout() time.Duration {
+	if s.HandshakeTimeout > 0 {
+		return s.HandshakeTimeout
+	}
+	return DefaultHandshakeTimeout
 }
 
 func (s *Server) maxInFlight() int {
@@ -71,7 +123,10 @@ func (s *Server) maxInFlight() int {
 }
 
 func (s *Server) maxInFlightBytes() int64 {
-	return max(s.MaxInFlightBytes, 64<<20, MaxPayload)
+	if s.MaxInFlightBytes > 0 {
+		return max(s.MaxInFlightBytes, MaxPayload)
+	}
+	return 64 << 20
 }
 
 // lookup finds an export by name; "" is the first export (the default
@@ -119,15 +174,17 @@ func (s *Server) Serve(l net.Listener) error {
 			if closing {
 				return ErrServerClosed
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				// Out of file descriptors and the like: back off, as net/http does.
-				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-				s.Logger.Warn("nbd accept", "err", err, "retry", delay)
-				time.Sleep(delay)
-				continue
+			if !temporary(err) {
+				return fmt.Errorf("nbd accept: %w", err)
 			}
-			return fmt.Errorf("nbd accept: %w", err)
+			// Out of descriptors or memory, or a client gone before we
+			// took it: none of it is the listener's fault. Back off and
+			// retry, as net/http does; the backlog keeps waiting clients.
+			s.counters.acceptRetries.Add(1)
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			s.Logger.Warn("nbd accept", "err", err, "retry", delay)
+			time.Sleep(delay)
+			continue
 		}
 		delay = 0
 		c := s.newConn(nc)
@@ -138,10 +195,32 @@ func (s *Server) Serve(l net.Listener) error {
 	}
 }
 
+// temporary reports whether an Accept error is a passing condition of the
+// process or of one client rather than a failed listener.
+func temporary(err error) bool {
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return true
+	}
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.ECONNABORTED, syscall.EINTR, syscall.EAGAIN, syscall.EPROTO, syscall.EPERM} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
 func (s *Server) newConn(nc net.Conn) *conn {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closing {
+		nc.Close()
+		return nil
+	}
+	if len(s.conns) >= s.maxConnections() {
+		// Closed before the greeting: the client sees the connection end
+		// and may retry; nothing about it is kept.
+		s.counters.refused.Add(1)
 		nc.Close()
 		return nil
 	}
@@ -205,6 +284,19 @@ func (s *Server) Shutdown(ctx context.Context) error {
 // order of Server.Exports.
 type Stats struct {
 	Exports []ExportStats
+
+	Connections       int64 // connections open now, handshakes included
+	Refused           int64 // connections closed at once: MaxConnections reached
+	HandshakeTimeouts int64 // connections closed for not finishing the handshake
+	AcceptRetries     int64 // Accept errors (EMFILE, ...) backed off and retried
+	Panics            int64 // panics recovered and turned into EIO
+	MemoryInUse       int64 // bytes of Memory held by requests now
+	MemoryWaits       int64 // requests that waited for Memory
+}
+
+type serverCounters struct {
+	refused, handshakeTimeouts, acceptRetries, panics atomic.Int64
+	memInUse, memWaits                                atomic.Int64
 }
 
 // ExportStats counts one export's traffic since the server started.
@@ -272,7 +364,19 @@ type exportStats struct {
 // so a snapshot taken under load is not a single instant.
 func (s *Server) Stats() Stats {
 	s.init()
-	out := Stats{Exports: make([]ExportStats, 0, len(s.Exports))}
+	s.mu.Lock()
+	conns := int64(len(s.conns))
+	s.mu.Unlock()
+	out := Stats{
+		Exports:           make([]ExportStats, 0, len(s.Exports)),
+		Connections:       conns,
+		Refused:           s.counters.refused.Load(),
+		HandshakeTimeouts: s.counters.handshakeTimeouts.Load(),
+		AcceptRetries:     s.counters.acceptRetries.Load(),
+		Panics:            s.counters.panics.Load(),
+		MemoryInUse:       s.counters.memInUse.Load(),
+		MemoryWaits:       s.counters.memWaits.Load(),
+	}
 	for _, x := range s.Exports {
 		st := s.stats[x]
 		es := ExportStats{

@@ -2,6 +2,7 @@ package nbdtarget
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"io"
 	"log/slog"
@@ -13,7 +14,10 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sync/semaphore"
+
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/discard"
 )
 
 // conn is one client connection. Its transmission phase runs on a
@@ -30,9 +34,11 @@ import (
 //	g3:                   read 3 | run flush 3 ..... reply 3
 //	g2:                                    read 4 | ...
 //
-// At most MaxInFlight goroutines exist per connection, and the reader stops
-// taking requests while their buffers would exceed MaxInFlightBytes, which
-// bounds memory per connection whatever the client sends.
+// At most MaxInFlight goroutines exist per connection. Every request is
+// charged its memory (cost) before it is read any further, against the
+// connection's MaxInFlightBytes and the server's Memory; the reader stops
+// taking requests while either is spent, which bounds memory per connection
+// and per server whatever the clients send.
 type conn struct {
 	srv *Server
 	nc  net.Conn
@@ -54,7 +60,7 @@ type conn struct {
 	workers  int          // goroutines in the pool; under rmu
 	waiting  atomic.Int32 // goroutines waiting for the read token
 	pool     sync.WaitGroup
-	bytes    budget
+	mem      *semaphore.Weighted // MaxInFlightBytes
 
 	wmu     sync.Mutex
 	pending atomic.Int32 // replies waiting for or holding wmu
@@ -66,8 +72,23 @@ type conn struct {
 func (c *conn) serve() {
 	defer c.srv.dropConn(c)
 	defer c.nc.Close()
+	c.nc.SetDeadline(time.Now().Add(c.srv.handshakeTimeout()))
 	x, err := c.handshake()
+	if err == nil {
+		// Cleared before stopped is read, so a Shutdown that races with the
+		// end of the handshake either sees the connection stopped or sets
+		// its read deadline after this.
+		c.nc.SetDeadline(time.Time{})
+		if c.stopped.Load() {
+			return
+		}
+	}
 	if err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) && !c.stopped.Load() {
+			c.srv.counters.handshakeTimeouts.Add(1)
+			c.log.Info("nbd handshake timed out", "timeout", c.srv.handshakeTimeout())
+			return
+		}
 		if c.quiet(err) || errors.Is(err, errAbort) {
 			c.log.Debug("nbd handshake ended", "err", err)
 		} else {
@@ -101,7 +122,7 @@ func (c *conn) stopReading() {
 // transmit runs the transmission phase until DISC, EOF, a broken stream or
 // Shutdown, waits for outstanding requests and flushes their replies.
 func (c *conn) transmit() {
-	c.bytes.init(c.srv.maxInFlightBytes())
+	c.mem = semaphore.NewWeighted(c.srv.maxInFlightBytes())
 	c.workers = 1
 	c.pool.Add(1)
 	c.work()
@@ -181,27 +202,111 @@ func (c *conn) read() *job {
 	return j
 }
 
-// readPayload reserves the request's buffer budget and reads a WRITE's
-// payload. An oversized payload is read and thrown away, so that the stream
-// stays in sync, and the request is failed with EINVAL.
+// Memory charged per request (see cost).
+const (
+	// requestBase is charged to every request: its job, its share of a
+	// goroutine stack, its reply header.
+	requestBase = 8 << 10
+	// streamPiece is the buffer a READ or WRITE longer than MaxPayload is
+	// moved through, piece by piece, instead of being held whole.
+	streamPiece = 4 << 20
+	// walkCost covers a trim, zeroing or cache request's working set:
+	// WalkExtents extents, the discard engine's copies and plans of them,
+	// and a cacheBuf for devices that cannot read ahead natively.
+	walkCost = WalkExtents*256 + cacheBuf
+	cacheBuf = 128 << 10
+	// blockStatusCost covers a block status request: the reply's
+	// descriptors and one Holes answer (at most holeQuery/4 KiB ranges).
+	blockStatusCost = maxExtents*(8+16) + holeQuery/4096*16
+	// maxCost is the most any request is charged.
+	maxCost = requestBase + MaxPayload
+)
+
+// cost is the memory request r may hold while it runs: its payload or read
+// buffer (one streamPiece for longer ones) or its working set. It never
+// depends on what the client asks for beyond MaxPayload.
+func cost(r *request) int64 {
+	switch r.Type {
+	case cmdRead, cmdWrite:
+		if r.Length > MaxPayload {
+			return requestBase + streamPiece
+		}
+		return requestBase + int64(r.Length)
+	case cmdTrim, cmdWriteZeroes, cmdCache:
+		return requestBase + walkCost
+	case cmdBlockStatus:
+		return requestBase + blockStatusCost
+	}
+	return requestBase
+}
+
+// charge takes j's memory from the connection's and the server's budgets,
+// waiting (in arrival order) until both have it. Only the holder of the
+// read token charges, so a connection waits without reading further.
+func (c *conn) charge(j *job) {
+	j.cost = cost(&j.req)
+	c.mem.Acquire(context.Background(), j.cost)
+	if !c.srv.mem.TryAcquire(j.cost) {
+		c.srv.counters.memWaits.Add(1)
+		c.srv.mem.Acquire(context.Background(), j.cost)
+	}
+	c.srv.counters.memInUse.Add(j.cost)
+}
+
+// uncharge gives j's memory back.
+func (c *conn) uncharge(j *job) {
+	if j.cost == 0 {
+		return
+	}
+	c.srv.counters.memInUse.Add(-j.cost)
+	c.srv.mem.Release(j.cost)
+	c.mem.Release(j.cost)
+	j.cost = 0
+}
+
+// readPayload charges the request's memory and reads a WRITE's payload. A
+// WRITE longer than MaxPayload is written as it arrives (writeStream).
 func (c *conn) readPayload(j *job) error {
 	r := &j.req
-	switch {
-	case r.Type == cmdWrite && r.Length > MaxPayload:
-		if _, err := io.CopyN(io.Discard, c.br, int64(r.Length)); err != nil {
-			return err
-		}
-		j.errno, j.msg = EINVAL, "request exceeds maximum payload"
-	case r.Type == cmdWrite || r.Type == cmdRead && r.Length <= MaxPayload:
-		j.cost = int64(r.Length)
+	c.charge(j)
+	if r.Type != cmdWrite || r.Length == 0 {
+		return nil
 	}
-	c.bytes.acquire(j.cost)
-	if r.Type == cmdWrite && j.errno == 0 && r.Length > 0 {
-		j.setBuf(int(r.Length))
-		if _, err := io.ReadFull(c.br, j.buf); err != nil {
-			c.bytes.release(j.cost)
+	if r.Length > MaxPayload {
+		return c.writeStream(j)
+	}
+	j.setBuf(int(r.Length))
+	if _, err := io.ReadFull(c.br, j.buf); err != nil {
+		c.uncharge(j)
+		return err
+	}
+	return nil
+}
+
+// writeStream runs a WRITE longer than MaxPayload while its payload
+// arrives: one streamPiece at a time, read from the socket and written to
+// the export, so it never holds more than one piece. The whole payload is
+// consumed even after a piece fails, so that the stream stays in sync; the
+// request is then failed with that piece's error. It runs on the reader,
+// holding the read token: nothing else can be read from the connection
+// until the payload has been.
+func (c *conn) writeStream(j *job) error {
+	r := &j.req
+	j.ran = true
+	j.errno, j.msg = c.check(r)
+	j.setBuf(streamPiece)
+	off, left := int64(r.Offset), int64(r.Length)
+	for left > 0 {
+		p := j.buf[:min(left, streamPiece)]
+		if _, err := io.ReadFull(c.br, p); err != nil {
+			c.uncharge(j)
 			return err
 		}
+		if j.errno == 0 {
+			c.protect(j, func() error { return c.x.WriteAt(p, off, r.Flags&cfFUA != 0) })
+		}
+		off += int64(len(p))
+		left -= int64(len(p))
 	}
 	return nil
 }
@@ -209,8 +314,22 @@ func (c *conn) readPayload(j *job) error {
 // handle runs one request, accounts for it and replies.
 func (c *conn) handle(j *job) {
 	c.run(j)
-	d := time.Since(j.start)
+	if j.errno == 0 && j.req.Type == cmdRead && j.req.Length > MaxPayload {
+		c.readStream(j)
+		c.account(j)
+	} else {
+		// Counted before the reply leaves, so a client that has its reply
+		// sees it in Stats.
+		c.account(j)
+		c.reply(j)
+	}
+	c.uncharge(j)
+	putJob(j)
+}
 
+// account counts a completed request in Stats and Observe.
+func (c *conn) account(j *job) {
+	d := time.Since(j.start)
 	r := &j.req
 	op := &c.st.ops[opIndex(r.Type)]
 	op.requests.Add(1)
@@ -226,73 +345,120 @@ func (c *conn) handle(j *job) {
 	if obs := c.srv.Observe; obs != nil {
 		obs(c.x.Name, Ops[opIndex(r.Type)], n, j.errno, d)
 	}
-	// Counted before the reply leaves, so a client that has its reply
-	// sees it in Stats.
-	c.reply(j)
-	c.bytes.release(j.cost)
-	putJob(j)
 }
 
-// run validates and executes j, leaving the outcome in j. A panic below the
-// protocol edge is a bug; it fails this request with EIO instead of taking
-// every connection down.
+// run validates and executes j, leaving the outcome in j.
 func (c *conn) run(j *job) {
-	defer func() {
-		if p := recover(); p != nil {
-			c.log.Error("nbd request panicked", "op", Ops[opIndex(j.req.Type)], "panic", p, "stack", string(debug.Stack()))
-			j.errno, j.msg, j.hasErrOff = EIO, "internal server error", false
-		}
-	}()
-	if j.errno != 0 {
+	if j.ran || j.errno != 0 {
 		return
 	}
 	r := &j.req
 	if j.errno, j.msg = c.check(r); j.errno != 0 {
 		return
 	}
-	x := c.x
+	if r.Type == cmdRead && r.Length > MaxPayload {
+		return // read piece by piece as the reply goes out (readStream)
+	}
+	c.protect(j, func() error { return c.exec(j) })
+}
+
+// protect runs fn, one request's call into the export, and records its
+// error in j. A panic below the protocol edge is a bug; it fails this
+// request with EIO, is logged with its stack and reported to OnPanic,
+// instead of taking every connection down.
+func (c *conn) protect(j *job, fn func() error) {
+	defer func() {
+		if p := recover(); p != nil {
+			stack := debug.Stack()
+			c.srv.counters.panics.Add(1)
+			c.log.Error("nbd request panicked", "op", Ops[opIndex(j.req.Type)], "panic", p, "stack", string(stack))
+			j.errno, j.msg, j.hasErrOff = EIO, errMessage(EIO), false
+			if h := c.srv.OnPanic; h != nil {
+				h(p, stack)
+			}
+		}
+	}()
+	if err := fn(); err != nil && j.errno == 0 {
+		r := &j.req
+		j.errno = errnoOf(err, r.Type == cmdWriteZeroes && r.Flags&cfFastZero != 0)
+		j.msg = errMessage(j.errno)
+		c.log.Debug("nbd request failed", "op", Ops[r.Type], "offset", r.Offset, "length", r.Length, "errno", j.errno, "err", err)
+	}
+}
+
+// exec executes a validated request (READ and WRITE up to MaxPayload).
+func (c *conn) exec(j *job) error {
+	x, r := c.x, &j.req
 	off, n := int64(r.Offset), int64(r.Length)
 	fua := r.Flags&cfFUA != 0
-	var err error
 	switch r.Type {
 	case cmdRead:
 		if n == 0 {
-			return
+			return nil
 		}
 		j.setBuf(int(n))
+		var err error
 		j.errOff, err = x.readAt(j.buf, off)
 		j.hasErrOff = err != nil
+		return err
 	case cmdWrite:
 		if n == 0 {
-			return
+			return nil
 		}
-		err = x.WriteAt(j.buf, off, fua)
+		return x.WriteAt(j.buf, off, fua)
 	case cmdFlush:
-		err = x.FlushAll()
+		return x.FlushAll()
 	case cmdTrim:
 		if n == 0 {
-			return
+			return nil
 		}
-		err = x.Trim(off, n, fua)
+		return x.trim(off, n, fua, j.walkScratch())
 	case cmdWriteZeroes:
 		if n == 0 {
-			return
+			return nil
 		}
-		err = x.WriteZeroes(off, n, r.Flags&cfNoHole == 0, r.Flags&cfFastZero != 0, fua)
+		return x.writeZeroes(off, n, r.Flags&cfNoHole == 0, r.Flags&cfFastZero != 0, fua, j.walkScratch())
 	case cmdCache:
-		err = x.Cache(off, n)
+		if n == 0 {
+			return nil
+		}
+		j.setBuf(int(min(n, cacheBuf)))
+		return x.Cache(off, n, j.buf)
 	case cmdBlockStatus:
 		limit := maxExtents
 		if r.Flags&cfReqOne != 0 {
 			limit = 1
 		}
-		j.exts, err = x.blockStatus(off, n, limit, j.exts[:0])
+		var err error
+		j.bs, err = x.blockStatus(off, n, limit, j.bs[:0])
+		return err
 	}
-	if err != nil {
-		j.errno = errnoOf(err, r.Type == cmdWriteZeroes && r.Flags&cfFastZero != 0)
-		j.msg = err.Error()
-		c.log.Debug("nbd request failed", "op", Ops[r.Type], "offset", off, "length", n, "errno", j.errno, "err", err)
+	return nil
+}
+
+// errMessage is the text of an error chunk: fixed per errno, so that no
+// detail of the host (paths, device names) reaches a client. The log has
+// the full error.
+func errMessage(errno uint32) string {
+	switch errno {
+	case EPERM:
+		return "operation not permitted"
+	case EIO:
+		return "input/output error"
+	case ENOMEM:
+		return "out of memory"
+	case EINVAL:
+		return "invalid argument"
+	case ENOSPC:
+		return "no space left on device"
+	case EOVERFLOW:
+		return "value too large"
+	case ENOTSUP:
+		return "operation not supported"
+	case ESHUTDOWN:
+		return "server shutting down"
 	}
+	return "error"
 }
 
 // check validates a request at the protocol edge, so that Export methods
@@ -326,10 +492,6 @@ func (c *conn) check(r *request) (uint32, string) {
 			return EINVAL, "flush offset and length must be zero"
 		}
 		return 0, ""
-	case cmdRead:
-		if r.Length > MaxPayload {
-			return EINVAL, "read exceeds maximum payload"
-		}
 	case cmdBlockStatus:
 		if !c.meta {
 			return EINVAL, "no metadata context negotiated"
@@ -392,7 +554,7 @@ func (c *conn) reply(j *job) {
 		b = appendSimpleReply(b, r.Handle, 0)
 		data = j.buf
 	case r.Type == cmdBlockStatus:
-		b = appendBlockStatusChunk(b, r.Handle, metaBaseID, j.exts)
+		b = appendBlockStatusChunk(b, r.Handle, metaBaseID, j.bs)
 	default:
 		b = appendSimpleReply(b, r.Handle, 0)
 	}
@@ -400,60 +562,112 @@ func (c *conn) reply(j *job) {
 	c.send(b, data)
 }
 
+// readStream answers a READ longer than MaxPayload, reading it one
+// streamPiece at a time, so that it never holds more than one piece. The
+// first piece is read before anything is sent, so a failure there is an
+// ordinary error reply. With structured replies (and no DF) every piece is
+// its own OFFSET_DATA chunk, and other replies may go out between them; a
+// later failure ends the reply with an ERROR_OFFSET chunk. A simple reply,
+// or a DF read's single chunk, promises all the data in its header, so the
+// pieces go out under one hold of the write lock, and a failure after the
+// header can only be reported by closing the connection, as the NBD spec
+// requires.
+func (c *conn) readStream(j *job) {
+	r := &j.req
+	j.setBuf(streamPiece)
+	off, end := int64(r.Offset), int64(r.Offset)+int64(r.Length)
+	piece := func() []byte {
+		p := j.buf[:min(end-off, streamPiece)]
+		c.protect(j, func() error {
+			var err error
+			j.errOff, err = c.x.readAt(p, off)
+			j.hasErrOff = err != nil
+			return err
+		})
+		return p
+	}
+	p := piece()
+	if j.errno != 0 {
+		c.reply(j)
+		return
+	}
+	if c.structured && r.Flags&cfDF == 0 {
+		for {
+			last := off+int64(len(p)) == end
+			flags := uint16(0)
+			if last {
+				flags = replyFlagDone
+			}
+			hdr := appendChunkHeader(j.out[:0], r.Handle, flags, chunkOffsetData, 8+uint32(len(p)))
+			j.out = appendU64(hdr, uint64(off))
+			c.send(j.out, p)
+			if last {
+				return
+			}
+			off += int64(len(p))
+			if p = piece(); j.errno != 0 {
+				c.reply(j) // the final ERROR_OFFSET chunk
+				return
+			}
+		}
+	}
+	if c.structured {
+		j.out = appendChunkHeader(j.out[:0], r.Handle, replyFlagDone, chunkOffsetData, 8+r.Length)
+		j.out = appendU64(j.out, r.Offset)
+	} else {
+		j.out = appendSimpleReply(j.out[:0], r.Handle, 0)
+	}
+	c.pending.Add(1)
+	c.wmu.Lock()
+	defer c.unlockSend()
+	if c.werr == nil {
+		_, c.werr = c.bw.Write(j.out)
+	}
+	for c.werr == nil {
+		_, c.werr = c.bw.Write(p)
+		off += int64(len(p))
+		if c.werr != nil || off == end {
+			break
+		}
+		if p = piece(); j.errno != 0 {
+			c.log.Warn("nbd read failed after its reply header was sent: closing the connection", "offset", off, "errno", j.errno)
+			c.werr = errBrokenReply
+		}
+	}
+}
+
+// errBrokenReply ends a connection whose reply could not be completed.
+var errBrokenReply = errors.New("reply broken off")
+
 // send writes one reply. Whoever leaves the lock with no other reply waiting
 // flushes, so a burst of completions goes out in few writes while a lone
 // reply is never held back.
 func (c *conn) send(hdr, data []byte) {
 	c.pending.Add(1)
 	c.wmu.Lock()
+	defer c.unlockSend()
 	if c.werr == nil {
 		_, c.werr = c.bw.Write(hdr)
 	}
 	if c.werr == nil && len(data) > 0 {
 		_, c.werr = c.bw.Write(data)
 	}
+}
+
+// unlockSend ends a hold of the write lock: the last reply out flushes,
+// and a failed write closes the connection.
+func (c *conn) unlockSend() {
 	if c.pending.Add(-1) == 0 && c.werr == nil {
 		c.werr = c.bw.Flush()
 	}
 	failed := c.werr
 	c.wmu.Unlock()
 	if failed != nil {
-		// The client is gone or stuck: wake the reader so the connection
-		// winds down; the other connections are not affected.
+		// The client is gone or stuck, or a reply broke off: wake the
+		// reader so the connection winds down; the other connections are
+		// not affected.
 		c.nc.Close()
 	}
-}
-
-// budget bounds the bytes of buffers a connection's requests hold. Only
-// the holder of the read token acquires; any goroutine releases.
-type budget struct {
-	mu    sync.Mutex
-	cond  sync.Cond
-	bytes int64
-}
-
-func (b *budget) init(bytes int64) {
-	b.cond.L = &b.mu
-	b.bytes = bytes
-}
-
-func (b *budget) acquire(n int64) {
-	b.mu.Lock()
-	for b.bytes < n {
-		b.cond.Wait()
-	}
-	b.bytes -= n
-	b.mu.Unlock()
-}
-
-func (b *budget) release(n int64) {
-	if n == 0 {
-		return
-	}
-	b.mu.Lock()
-	b.bytes += n
-	b.mu.Unlock()
-	b.cond.Signal()
 }
 
 // job is one request on its way through a worker. Jobs and their buffers
@@ -466,13 +680,15 @@ type job struct {
 	bufp *[]byte // pooled payload or read buffer
 	buf  []byte  // (*bufp)[:req.Length]
 
+	ran       bool // executed while its payload was read (writeStream)
 	errno     uint32
 	msg       string
 	errOff    int64 // virtual offset of a read error, with hasErrOff
 	hasErrOff bool
 
-	exts []BlockExtent // block status result, reused
-	out  []byte        // encoded reply header, reused
+	exts []discard.Extent // trim, zeroing and cache walk scratch, reused
+	bs   []BlockExtent    // block status result, reused
+	out  []byte           // encoded reply header, reused
 }
 
 var jobPool = sync.Pool{New: func() any { return &job{out: make([]byte, 0, 64)} }}
@@ -483,15 +699,19 @@ func putJob(j *job) {
 	if j.bufp != nil {
 		putBuf(j.bufp)
 	}
-	exts, out := j.exts[:0], j.out[:0]
-	if cap(exts) > maxExtents {
-		exts = nil
-	}
-	*j = job{exts: exts, out: out}
+	*j = job{exts: j.exts[:0], bs: j.bs[:0], out: j.out[:0]}
 	jobPool.Put(j)
 }
 
 func (j *job) setBuf(n int) {
 	j.bufp = getBuf(n)
 	j.buf = (*j.bufp)[:n]
+}
+
+// walkScratch is the job's reusable room for Export.walk.
+func (j *job) walkScratch() []discard.Extent {
+	if j.exts == nil {
+		j.exts = make([]discard.Extent, 0, WalkExtents)
+	}
+	return j.exts
 }

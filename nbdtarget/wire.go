@@ -76,7 +76,10 @@ const (
 )
 
 // Block sizes advertised in INFO_BLOCK_SIZE. Any alignment is served (the
-// table maps bytes), so the minimum is 1; MaxPayload bounds READ and WRITE.
+// table maps bytes), so the minimum is 1. MaxPayload is the maximum
+// advertised to clients that ask for block sizes, and the longest READ or
+// WRITE held in memory whole; longer ones (from clients that did not ask)
+// are streamed in pieces.
 const (
 	MinBlockSize       = 1
 	PreferredBlockSize = 4096

@@ -89,7 +89,7 @@ func BenchmarkMap(b *testing.B) {
 			rng := rand.New(rand.NewPCG(1, 2))
 			blocks := c.tb.Size() / c.n
 			extents := 0
-			emit := func(Extent) { extents++ }
+			emit := func(Extent) bool { extents++; return true }
 			b.ReportAllocs()
 			for b.Loop() {
 				c.tb.Map(rng.Int64N(blocks)*c.n, c.n, emit)

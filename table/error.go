@@ -24,6 +24,6 @@ func (errorTarget) Args() []string            { return nil }
 func (errorTarget) Status() string            { return "" }
 func (errorTarget) Devices() []backing.Device { return nil }
 
-func (errorTarget) Map(off, n int64, emit func(Extent)) {
-	emit(Extent{Kind: KindError, VOff: off, Len: n})
+func (errorTarget) Map(off, n int64, yield func(Extent) bool) bool {
+	return yield(Extent{Kind: KindError, VOff: off, Len: n})
 }

@@ -38,8 +38,8 @@ func (l *linear) Args() []string {
 	return []string{l.name, strconv.FormatUint(uint64(l.off), 10)}
 }
 
-func (l *linear) Map(off, n int64, emit func(Extent)) {
-	emit(Extent{Kind: KindMapped, Dev: l.devs[0], Off: l.off.Bytes() + off, VOff: off, Len: n})
+func (l *linear) Map(off, n int64, yield func(Extent) bool) bool {
+	return yield(Extent{Kind: KindMapped, Dev: l.devs[0], Off: l.off.Bytes() + off, VOff: off, Len: n})
 }
 
 func (l *linear) Devices() []backing.Device { return l.devs[:] }

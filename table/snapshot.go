@@ -95,8 +95,8 @@ func (t *snapshotTarget) Args() []string {
 
 // Map sends the whole line to the stacked device, which does the
 // copy-on-write work itself.
-func (t *snapshotTarget) Map(off, n int64, emit func(Extent)) {
-	emit(Extent{Kind: KindMapped, Dev: t.s, Off: off, VOff: off, Len: n})
+func (t *snapshotTarget) Map(off, n int64, yield func(Extent) bool) bool {
+	return yield(Extent{Kind: KindMapped, Dev: t.s, Off: off, VOff: off, Len: n})
 }
 
 // Devices are the real devices below (COW and origin, with stacked

@@ -38,8 +38,8 @@ func (t *originTarget) Type() string   { return "snapshot-origin" }
 func (t *originTarget) Status() string { return "" }
 func (t *originTarget) Args() []string { return []string{t.name} }
 
-func (t *originTarget) Map(off, n int64, emit func(Extent)) {
-	emit(Extent{Kind: KindMapped, Dev: t.o, Off: off, VOff: off, Len: n})
+func (t *originTarget) Map(off, n int64, yield func(Extent) bool) bool {
+	return yield(Extent{Kind: KindMapped, Dev: t.o, Off: off, VOff: off, Len: n})
 }
 
 // Devices is the origin's real devices: copy-outs are synced to the COW

@@ -190,15 +190,13 @@ func (d *Device) each(off, n int64, fn func(e Extent) error) error {
 		return err
 	}
 	var err error
-	d.t.Map(off, n, func(e Extent) {
-		if err != nil {
-			return
-		}
+	d.t.Map(off, n, func(e Extent) bool {
 		if e.Kind == KindError {
 			err = ErrTarget
-			return
+		} else {
+			err = fn(e)
 		}
-		err = fn(e)
+		return err == nil
 	})
 	return err
 }

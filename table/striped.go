@@ -112,6 +112,35 @@ func (s *striped) Status() string {
 
 func (s *striped) Devices() []backing.Device { return s.devs }
 
+// Cover sends, for each stripe, the one device range that holds the
+// stripe's part of [off, off+n): consecutive chunks of a stripe are adjacent
+// on its device, so whatever the chunk size the range is contiguous.
+//
+//	`0 8 striped 2 2 a 0 b 100`, Cover(sectors 1, 6):
+//	  a: chunks 0, 2 -> a[1,4)    b: chunks 1, 3 -> b[100,103)
+func (s *striped) Cover(off, n int64, yield func(Extent) bool) bool {
+	cb := s.chunk.Bytes()
+	nst := int64(len(s.stripes))
+	end := off + n
+	c0, c1 := off/cb, (end-1)/cb // first and last chunk touched
+	for i := range nst {
+		first := c0 + (i-c0%nst+nst)%nst // first chunk >= c0 on stripe i
+		last := c1 - (c1%nst-i+nst)%nst  // last chunk <= c1 on stripe i
+		if first > last {
+			continue
+		}
+		lo := max(off, first*cb)
+		hi := min(end, (last+1)*cb)
+		st := &s.stripes[i]
+		devLo := st.off.Bytes() + (first/nst)*cb + lo%cb
+		devHi := st.off.Bytes() + (last/nst)*cb + (hi-1)%cb + 1
+		if !yield(Extent{Kind: KindMapped, Dev: st.dev, Off: devLo, VOff: lo, Len: devHi - devLo}) {
+			return false
+		}
+	}
+	return true
+}
+
 // Map cuts [off, off+n) at chunk boundaries and sends each piece to its
 // stripe, with dm-stripe's arithmetic (in bytes here):
 //
@@ -131,7 +160,7 @@ func (s *striped) Devices() []backing.Device { return s.devs }
 // Mapping virtual sectors [1, 7) gives four extents: a[1,2) b[100,102)
 // a[2,4) b[102,103). Pieces that follow each other on the same stripe (only
 // with one stripe) are merged into one extent.
-func (s *striped) Map(off, n int64, emit func(Extent)) {
+func (s *striped) Map(off, n int64, yield func(Extent) bool) bool {
 	cb := s.chunk.Bytes()
 	nst := int64(len(s.stripes))
 	var pend Extent
@@ -145,8 +174,8 @@ func (s *striped) Map(off, n int64, emit func(Extent)) {
 		if i == pendStripe && pend.Off+pend.Len == devOff {
 			pend.Len += k
 		} else {
-			if pendStripe >= 0 {
-				emit(pend)
+			if pendStripe >= 0 && !yield(pend) {
+				return false
 			}
 			pend = Extent{Kind: KindMapped, Dev: st.dev, Off: devOff, VOff: off, Len: k}
 			pendStripe = i
@@ -154,7 +183,5 @@ func (s *striped) Map(off, n int64, emit func(Extent)) {
 		off += k
 		n -= k
 	}
-	if pendStripe >= 0 {
-		emit(pend)
-	}
+	return pendStripe < 0 || yield(pend)
 }

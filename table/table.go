@@ -67,10 +67,11 @@ type Target interface {
 	Args() []string
 	// Status is the target's `dmsetup status` text (may be empty).
 	Status() string
-	// Map calls emit for each extent covering [off, off+n), in ascending
-	// virtual order. VOff in emitted extents is relative to the line start;
-	// Table.Map rebases it.
-	Map(off, n int64, emit func(Extent))
+	// Map calls yield for each extent covering [off, off+n), in ascending
+	// virtual order, and stops early, returning false, when yield does.
+	// VOff in the extents is relative to the line start; Table.Map rebases
+	// it.
+	Map(off, n int64, yield func(Extent) bool) bool
 	// Devices lists the distinct backing devices this target reads or
 	// writes. The slice belongs to the target: callers must not modify it.
 	Devices() []backing.Device
@@ -132,8 +133,9 @@ func newTable(file string, lines []Line) *Table {
 // Size is the virtual device size in bytes.
 func (t *Table) Size() int64 { return t.size }
 
-// Map calls emit for each extent covering the virtual range [off, off+n), in
-// ascending order. The range must lie inside the table (validated at the
+// Map calls yield for each extent covering the virtual range [off, off+n),
+// in ascending order, and stops as soon as yield returns false (Map then
+// returns false). The range must lie inside the table (validated at the
 // protocol edge). The first line is found by binary search over line ends;
 // a range that ends exactly on a line boundary does not touch the next line:
 //
@@ -141,7 +143,37 @@ func (t *Table) Size() int64 { return t.size }
 //	Map(0, 8 sectors)  -> line 0 only
 //	Map(8 sectors, 1)  -> line 1 only
 //	Map(7 sectors, 2 sectors) -> line 0 [7,8), then line 1 [8,9)
-func (t *Table) Map(off, n int64, emit func(Extent)) {
+func (t *Table) Map(off, n int64, yield func(Extent) bool) bool {
+	return t.walk(off, n, yield, Target.Map)
+}
+
+// Cover is Map for requests that treat every byte alike (trim, zeroing,
+// caching): it calls yield with extents that together cover [off, off+n)
+// once, but a target may send them in any order and join pieces that are
+// adjacent on their device though not in the virtual range. A striped line
+// then costs one extent per stripe instead of one per chunk:
+//
+//	striped, 2 stripes, chunk 1 sector; Map(0, 8 sectors):
+//	  a0 b0 a1 b1 a2 b2 a3 b3   (8 extents)
+//	Cover(0, 8 sectors):
+//	  a[0,4) b[0,4)             (2 extents)
+//
+// VOff is exact only for extents of zero and error targets.
+func (t *Table) Cover(off, n int64, yield func(Extent) bool) bool {
+	return t.walk(off, n, yield, func(tg Target, off, n int64, yield func(Extent) bool) bool {
+		if c, ok := tg.(coverer); ok {
+			return c.Cover(off, n, yield)
+		}
+		return tg.Map(off, n, yield)
+	})
+}
+
+// coverer is implemented by targets with a cheaper Cover than their Map.
+type coverer interface {
+	Cover(off, n int64, yield func(Extent) bool) bool
+}
+
+func (t *Table) walk(off, n int64, yield func(Extent) bool, mapLine func(Target, int64, int64, func(Extent) bool) bool) bool {
 	end := off + n
 	// First line whose end lies past off.
 	lo, hi := 0, len(t.ends)
@@ -155,23 +187,26 @@ func (t *Table) Map(off, n int64, emit func(Extent)) {
 	}
 	// One closure per call, not per line: base moves as the loop does.
 	var base int64
-	rebase := func(e Extent) {
+	rebase := func(e Extent) bool {
 		e.VOff += base
-		emit(e)
+		return yield(e)
 	}
 	for i := lo; i < len(t.Lines) && off < end; i++ {
 		l := &t.Lines[i]
 		base = l.Start.Bytes()
 		k := min(end, (l.Start+l.Length).Bytes()) - off
-		l.Target.Map(off-base, k, rebase)
+		if !mapLine(l.Target, off-base, k, rebase) {
+			return false
+		}
 		off += k
 	}
+	return true
 }
 
 // Extents returns Map's extents as a slice.
 func (t *Table) Extents(off, n int64) []Extent {
 	var out []Extent
-	t.Map(off, n, func(e Extent) { out = append(out, e) })
+	t.Map(off, n, func(e Extent) bool { out = append(out, e); return true })
 	return out
 }
 

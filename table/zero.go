@@ -24,6 +24,6 @@ func (zeroTarget) Args() []string            { return nil }
 func (zeroTarget) Status() string            { return "" }
 func (zeroTarget) Devices() []backing.Device { return nil }
 
-func (zeroTarget) Map(off, n int64, emit func(Extent)) {
-	emit(Extent{Kind: KindZero, VOff: off, Len: n})
+func (zeroTarget) Map(off, n int64, yield func(Extent) bool) bool {
+	return yield(Extent{Kind: KindZero, VOff: off, Len: n})
 }

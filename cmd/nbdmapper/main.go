@@ -29,7 +29,9 @@ import (
 )
 
 const usage = `usage:
-  nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off] [NAME=TABLE_FILE ...]
+  nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off]
+                  [--memory BYTES] [--max-connections N] [--handshake-timeout D]
+                  [--description NAME=TEXT] [NAME=TABLE_FILE ...]
   nbdmapper check TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
@@ -108,6 +110,8 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file")
 	var df discardFlags
 	df.register(fs)
+	var lf limitFlags
+	lf.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -155,7 +159,7 @@ func runServe(args []string) error {
 		defer t.Close()
 		exports[i] = &nbdtarget.Export{
 			Name:            defs[i].Name,
-			Description:     defs[i].File,
+			Description:     lf.descriptions[defs[i].Name],
 			Table:           t,
 			ReadOnly:        sf.readOnly,
 			Flush:           flusher,
@@ -170,6 +174,7 @@ func runServe(args []string) error {
 		return err
 	}
 	srv := &nbdtarget.Server{Exports: exports, Logger: log}
+	lf.apply(srv)
 	stopMetrics, err := startMetrics(sf.metrics, log, srv, flusher, discarder, statusRoutes(exports))
 	if err != nil {
 		return err
@@ -181,14 +186,17 @@ func runServe(args []string) error {
 		go func() { errc <- srv.Serve(l) }()
 	}
 	if demo {
-		printDemoHelp(os.Stdout, listeners[0].Addr(), exports[0])
+		printDemoHelp(os.Stdout, listeners[0].Addr(), exports[0], defs[0].File)
 	}
 
+	// A listener that fails stops the server with its reason and a
+	// non-zero exit, after the same orderly shutdown as a signal.
+	var failed error
 	select {
 	case s := <-sig:
 		log.Info("shutting down", "signal", s.String())
-	case err := <-errc:
-		log.Error("serve", "err", err)
+	case failed = <-errc:
+		log.Error("listener failed: shutting down", "err", failed)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -199,7 +207,7 @@ func runServe(args []string) error {
 		return err
 	}
 	logStats(log, flusher, discarder)
-	return nil
+	return failed
 }
 
 func startCPUProfile(path string) (stop func(), err error) {

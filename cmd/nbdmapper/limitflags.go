@@ -1,0 +1,76 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+)
+
+// limitFlags are serve's bounds on what clients can make the server hold.
+type limitFlags struct {
+	memory           byteSize
+	maxConnections   int
+	handshakeTimeout time.Duration
+	descriptions     descriptions
+}
+
+func (f *limitFlags) register(fs *flag.FlagSet) {
+	f.memory = nbdtarget.DefaultMemory
+	fs.Var(&f.memory, "memory", "memory budget for all requests together: buffers and working sets (bytes, or with K, M, G suffix)")
+	fs.IntVar(&f.maxConnections, "max-connections", nbdtarget.DefaultMaxConnections, "connections open at once; more are closed at once and counted")
+	fs.DurationVar(&f.handshakeTimeout, "handshake-timeout", nbdtarget.DefaultHandshakeTimeout, "close clients that have not finished the NBD handshake by then")
+	fs.Var(&f.descriptions, "description", "NAME=TEXT: the description clients see for export NAME (repeatable; default none)")
+}
+
+func (f *limitFlags) apply(s *nbdtarget.Server) {
+	s.Memory = int64(f.memory)
+	s.MaxConnections = f.maxConnections
+	s.HandshakeTimeout = f.handshakeTimeout
+}
+
+// byteSize is a flag value in bytes, written plainly or with a binary
+// suffix: 268435456, 256M, 1G.
+type byteSize int64
+
+func (b *byteSize) String() string { return fmt.Sprint(int64(*b)) }
+
+func (b *byteSize) Set(s string) error {
+	mult := int64(1)
+	switch {
+	case strings.HasSuffix(s, "K"):
+		mult = 1 << 10
+	case strings.HasSuffix(s, "M"):
+		mult = 1 << 20
+	case strings.HasSuffix(s, "G"):
+		mult = 1 << 30
+	}
+	if mult > 1 {
+		s = s[:len(s)-1]
+	}
+	var n int64
+	if _, err := fmt.Sscan(s, &n); err != nil || n <= 0 {
+		return fmt.Errorf("want a positive size such as 256M, got %q", s)
+	}
+	*b = byteSize(n * mult)
+	return nil
+}
+
+// descriptions are --description NAME=TEXT flags.
+type descriptions map[string]string
+
+func (d *descriptions) String() string { return fmt.Sprint(map[string]string(*d)) }
+
+func (d *descriptions) Set(s string) error {
+	name, text, ok := strings.Cut(s, "=")
+	if !ok || name == "" {
+		return fmt.Errorf("want NAME=TEXT, got %q", s)
+	}
+	if *d == nil {
+		*d = make(descriptions)
+	}
+	(*d)[name] = text
+	return nil
+}
