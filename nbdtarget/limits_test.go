@@ -1,0 +1,245 @@
+package nbdtarget
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// waitFor polls cond until it holds; the bound only turns a hang into a
+// failure, it is not a timing assertion.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestHandshakeDeadline(t *testing.T) {
+	f := newTFix(t, &Server{HandshakeTimeout: 50 * time.Millisecond})
+	idle := dialRaw(t, f.sock)
+	idle.read(18) // the greeting, then silence
+	idle.nc.SetReadDeadline(time.Now().Add(60 * time.Second))
+	if !idle.closed() {
+		t.Fatal("an idle client was not closed")
+	}
+	if n := f.srv.Stats().HandshakeTimeouts; n != 1 {
+		t.Fatalf("HandshakeTimeouts = %d, want 1", n)
+	}
+	// A client that finishes the handshake in time keeps its connection
+	// past the deadline.
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	time.Sleep(100 * time.Millisecond)
+	c.request(cmdRead, 0, 1, 0, 512, nil)
+	if h, errno, _ := c.simple(512); h != 1 || errno != 0 {
+		t.Fatalf("read after the deadline: handle %d errno %d", h, errno)
+	}
+}
+
+func TestMaxConnections(t *testing.T) {
+	f := newTFix(t, &Server{MaxConnections: 2})
+	a, b := dialRaw(t, f.sock), dialRaw(t, f.sock)
+	a.connect("t", false, false)
+	b.greet(3) // still in the handshake: it counts too
+	over := dialRaw(t, f.sock)
+	over.nc.SetReadDeadline(time.Now().Add(60 * time.Second))
+	if !over.closed() {
+		t.Fatal("a third connection was served")
+	}
+	if n := f.srv.Stats().Refused; n != 1 {
+		t.Fatalf("Refused = %d, want 1", n)
+	}
+	a.nc.Close()
+	waitFor(t, "the closed connection to be dropped", func() bool { return f.srv.Stats().Connections == 1 })
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	c.request(cmdRead, 0, 7, 0, 512, nil)
+	if h, errno, _ := c.simple(512); h != 7 || errno != 0 {
+		t.Fatalf("read on a new connection: handle %d errno %d", h, errno)
+	}
+}
+
+// flakyListener wraps a real listener and fails Accept with the queued
+// errors first: the process running out of descriptors cannot be had on cue
+// in-process (cmd/nbdmapper's test does it for real with a low ulimit).
+type flakyListener struct {
+	net.Listener
+	mu   sync.Mutex
+	errs []error
+}
+
+func (l *flakyListener) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	if len(l.errs) > 0 {
+		err := l.errs[0]
+		l.errs = l.errs[1:]
+		l.mu.Unlock()
+		return nil, err
+	}
+	l.mu.Unlock()
+	return l.Listener.Accept()
+}
+
+func TestAcceptBacksOffOnTemporaryErrors(t *testing.T) {
+	f := newTFix(t, nil)
+	sock := filepath.Join(t.TempDir(), "flaky.sock")
+	inner, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var errs []error
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.ECONNABORTED} {
+		errs = append(errs, &net.OpError{Op: "accept", Net: "unix", Err: os.NewSyscallError("accept4", e)})
+	}
+	l := &flakyListener{Listener: inner, errs: errs}
+	served := make(chan error, 1)
+	go func() { served <- f.srv.Serve(l) }()
+	c := dialRaw(t, sock)
+	c.connect("t", false, false)
+	c.request(cmdRead, 0, 1, 0, 512, nil)
+	if h, errno, _ := c.simple(512); h != 1 || errno != 0 {
+		t.Fatalf("read: handle %d errno %d", h, errno)
+	}
+	if n := f.srv.Stats().AcceptRetries; n != int64(len(errs)) {
+		t.Fatalf("AcceptRetries = %d, want %d", n, len(errs))
+	}
+	// A listener that truly fails ends Serve with its reason.
+	l.mu.Lock()
+	l.errs = []error{&net.OpError{Op: "accept", Net: "unix", Err: os.NewSyscallError("accept4", syscall.EBADF)}}
+	l.mu.Unlock()
+	dialRaw(t, sock) // wakes the blocked Accept; the next one fails
+	select {
+	case err := <-served:
+		if !errors.Is(err, syscall.EBADF) {
+			t.Fatalf("Serve returned %v, want EBADF", err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("Serve did not return on a failed listener")
+	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// TestAbortedClientsLeakNothing opens 10,000 connections and abandons each
+// at a random point: before the greeting is read, mid-option, mid-header,
+// mid-payload, or with requests in flight. Afterwards the server holds no
+// more goroutines or descriptors than before.
+func TestAbortedClientsLeakNothing(t *testing.T) {
+	n := 10000
+	if testing.Short() {
+		n = 1000
+	}
+	f := newTFix(t, nil)
+	c := dialRaw(t, f.sock) // one warm connection, so pools exist
+	c.connect("t", true, false)
+	c.nc.Close()
+	waitFor(t, "the warm-up connection to close", func() bool { return f.srv.Stats().Connections == 0 })
+	runtime.GC()
+	baseG, baseFD := runtime.NumGoroutine(), openFDs(t)
+
+	rng := rand.New(rand.NewPCG(1, 2))
+	payload := bytes.Repeat([]byte{0xab}, 8192)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 32)
+	for i := range n {
+		point := rng.IntN(7)
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			nc, err := net.Dial("unix", f.sock)
+			if err != nil {
+				t.Errorf("dial %d: %v", i, err)
+				return
+			}
+			defer nc.Close()
+			abort(nc, point, payload)
+		}()
+	}
+	wg.Wait()
+	waitFor(t, "every aborted connection to be dropped", func() bool { return f.srv.Stats().Connections == 0 })
+	// Goroutines end just after their connection is dropped.
+	waitFor(t, fmt.Sprintf("goroutines back to %d", baseG), func() bool { runtime.GC(); return runtime.NumGoroutine() <= baseG })
+	if fds := openFDs(t); fds > baseFD {
+		t.Fatalf("open descriptors %d after %d aborted clients, %d before", fds, n, baseFD)
+	}
+	if st := f.srv.Stats(); st.MemoryInUse != 0 {
+		t.Fatalf("MemoryInUse = %d after every connection closed", st.MemoryInUse)
+	}
+}
+
+// abort drives nc to one of several points of a connection and stops.
+func abort(nc net.Conn, point int, payload []byte) {
+	nc.SetDeadline(time.Now().Add(60 * time.Second))
+	if point == 0 {
+		return // before reading the greeting
+	}
+	var g [18]byte
+	if _, err := io.ReadFull(nc, g[:]); err != nil {
+		return
+	}
+	nc.Write(binary.BigEndian.AppendUint32(nil, 3))
+	if point == 1 {
+		nc.Write([]byte("IHAVEOPT\x00\x00\x00\x07")) // half an option header
+		return
+	}
+	opt := binary.BigEndian.AppendUint64(nil, 0x49484156454F5054)
+	opt = binary.BigEndian.AppendUint32(opt, 7)
+	data := infoData("t")
+	opt = binary.BigEndian.AppendUint32(opt, uint32(len(data)))
+	nc.Write(append(opt, data...))
+	if point == 2 {
+		return // GO sent, replies unread
+	}
+	for {
+		h := make([]byte, 20)
+		if _, err := io.ReadFull(nc, h); err != nil {
+			return
+		}
+		body := make([]byte, binary.BigEndian.Uint32(h[16:]))
+		if _, err := io.ReadFull(nc, body); err != nil {
+			return
+		}
+		if binary.BigEndian.Uint32(h[12:]) == 1 {
+			break
+		}
+	}
+	switch point {
+	case 3: // half a request header
+		nc.Write(encodeRequest(nil, request{Type: cmdRead, Length: 512})[:13])
+	case 4: // a WRITE header and half its payload
+		nc.Write(encodeRequest(nil, request{Type: cmdWrite, Length: uint32(len(payload))}))
+		nc.Write(payload[:len(payload)/2])
+	case 5: // reads in flight, replies never read
+		for h := range 64 {
+			nc.Write(encodeRequest(nil, request{Type: cmdRead, Handle: uint64(h), Length: 64 * kb}))
+		}
+	case 6: // a long write, cut off early
+		nc.Write(encodeRequest(nil, request{Type: cmdWrite, Length: MaxPayload + 1}))
+		nc.Write(payload)
+	}
+}
+

@@ -1,0 +1,195 @@
+package nbdtarget
+
+import (
+	"bytes"
+	"encoding/binary"
+	"testing"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+)
+
+// Layout of the "long" export: room for reads and writes longer than
+// MaxPayload, a device whose first 4 KiB fail every read and write, and
+// more room after it.
+//
+//	0                     goodLen            goodLen+64K
+//	| good (Mem)          | bad (fails @0..4K) | after (Mem, MaxPayload+1) |
+const goodLen = 3*MaxPayload + 3*streamPiece/2
+
+func newStreamFix(t *testing.T, srv *Server) (sock string, good *backing.Mem) {
+	good = backing.NewMem("good", goodLen)
+	bad := &failDev{Device: backing.NewMem("bad", 64*kb), from: 0, to: 4 * kb}
+	after := backing.NewMem("after", MaxPayload+512)
+	x := newExport(t, "long", seg{len: goodLen, dev: good}, seg{len: 64 * kb, dev: bad}, seg{len: MaxPayload + 512, dev: after})
+	if srv == nil {
+		srv = &Server{}
+	}
+	srv.Exports = []*Export{x}
+	return nbdtest.ServeUnix(t, srv, ErrServerClosed), good
+}
+
+func pattern(n int, seed byte) []byte {
+	p := make([]byte, n)
+	for i := range p {
+		p[i] = byte(i*7) ^ seed ^ byte(i>>13)
+	}
+	return p
+}
+
+// TestLongReadWrite moves READ and WRITE longer than MaxPayload, which
+// clients that negotiated no block size may send, through every reply form,
+// with the server's memory budget set to its minimum so that nothing longer
+// than a piece can be held.
+func TestLongReadWrite(t *testing.T) {
+	srv := &Server{Memory: 1, MaxInFlightBytes: 1}
+	sock, good := newStreamFix(t, srv)
+	const n = 2*MaxPayload + 12345
+	const off = 4096 + 3
+	data := pattern(n, 0x5c)
+
+	c := dialRaw(t, sock)
+	c.connect("long", true, false)
+	c.request(cmdWrite, 0, 1, off, n, data)
+	if r := c.any(); !r.simple || r.errno != 0 || r.handle != 1 {
+		t.Fatalf("long write: %+v", r)
+	}
+	got := make([]byte, n)
+	good.ReadAt(got, off)
+	if !bytes.Equal(got, data) {
+		t.Fatal("long write: device bytes differ")
+	}
+
+	t.Run("structured: one OFFSET_DATA chunk per piece", func(t *testing.T) {
+		c.t = t
+		c.request(cmdRead, 0, 2, off, n, nil)
+		var all []byte
+		for {
+			ch := c.chunk()
+			if ch.handle != 2 || ch.typ != chunkOffsetData {
+				t.Fatalf("chunk handle %d type %d", ch.handle, ch.typ)
+			}
+			if o := binary.BigEndian.Uint64(ch.payload); o != uint64(off+len(all)) {
+				t.Fatalf("chunk at %d, want %d", o, off+len(all))
+			}
+			all = append(all, ch.payload[8:]...)
+			if ch.flags&replyFlagDone != 0 {
+				break
+			}
+		}
+		if !bytes.Equal(all, data) {
+			t.Fatal("chunks differ from what was written")
+		}
+	})
+	t.Run("structured with DF: a single chunk", func(t *testing.T) {
+		c.t = t
+		c.request(cmdRead, cfDF, 3, off, n, nil)
+		ch := c.chunk()
+		if ch.handle != 3 || ch.typ != chunkOffsetData || ch.flags != replyFlagDone || !bytes.Equal(ch.payload[8:], data) {
+			t.Fatalf("DF read: handle %d type %d flags %d len %d", ch.handle, ch.typ, ch.flags, len(ch.payload))
+		}
+	})
+	t.Run("structured: a failure after the first piece ends with ERROR_OFFSET", func(t *testing.T) {
+		c.t = t
+		start := uint64(goodLen - MaxPayload - 100)
+		c.request(cmdRead, 0, 4, start, MaxPayload+4096, nil)
+		var sent int
+		for {
+			ch := c.chunk()
+			if ch.typ == chunkOffsetData {
+				sent += len(ch.payload) - 8
+				continue
+			}
+			errno, msg, at, err := chunkErrno(ch)
+			if err != nil || errno != EIO || at != goodLen || ch.flags != replyFlagDone {
+				t.Fatalf("final chunk: errno %d at %d flags %d (%v)", errno, at, ch.flags, err)
+			}
+			if msg != errMessage(EIO) {
+				t.Fatalf("error message %q", msg)
+			}
+			break
+		}
+		if sent == 0 {
+			t.Fatal("no data chunk before the error")
+		}
+	})
+	t.Run("a failure in the first piece is an ordinary error reply", func(t *testing.T) {
+		c.t = t
+		c.request(cmdRead, cfDF, 5, goodLen-100, MaxPayload+1, nil)
+		errno, _, at, err := chunkErrno(c.chunk())
+		if err != nil || errno != EIO || at != goodLen {
+			t.Fatalf("errno %d at %d (%v)", errno, at, err)
+		}
+	})
+
+	t.Run("simple: a long read, then a failure after the header closes the connection", func(t *testing.T) {
+		s := dialRaw(t, sock)
+		s.connect("long", false, false)
+		s.request(cmdRead, 0, 6, off, n, nil)
+		if h, errno, got := s.simple(n); h != 6 || errno != 0 || !bytes.Equal(got, data) {
+			t.Fatalf("simple long read: handle %d errno %d", h, errno)
+		}
+		s.request(cmdRead, 0, 7, goodLen-MaxPayload-100, MaxPayload+4096, nil)
+		if h, errno, _ := s.simple(0); h != 7 || errno != 0 {
+			t.Fatalf("header: handle %d errno %d", h, errno)
+		}
+		s.nc.SetReadDeadline(time.Now().Add(60 * time.Second))
+		buf := make([]byte, 1<<20)
+		var read int
+		for {
+			m, err := s.nc.Read(buf)
+			read += m
+			if err != nil {
+				break
+			}
+		}
+		if read >= MaxPayload+4096 {
+			t.Fatalf("read %d bytes: the broken reply was completed", read)
+		}
+	})
+
+	t.Run("a long write that fails consumes its whole payload", func(t *testing.T) {
+		s := dialRaw(t, sock)
+		s.connect("long", false, false)
+		// Pieces before the bad device are written; the stream stays in sync.
+		start := uint64(goodLen - MaxPayload - 1000)
+		p := pattern(MaxPayload+8192, 0x33)
+		s.request(cmdWrite, 0, 8, start, uint32(len(p)), p)
+		if h, errno, _ := s.simple(0); h != 8 || errno != EIO {
+			t.Fatalf("write over a failing device: handle %d errno %d", h, errno)
+		}
+		s.request(cmdRead, 0, 9, 0, 512, nil)
+		if h, errno, _ := s.simple(512); h != 9 || errno != 0 {
+			t.Fatalf("follow-up read: handle %d errno %d", h, errno)
+		}
+	})
+	if st := srv.Stats(); st.MemoryInUse != 0 {
+		t.Fatalf("MemoryInUse = %d", st.MemoryInUse)
+	}
+}
+
+// TestMemoryBudgetWaits fills a small budget with reads held at a gate:
+// the next request waits for memory instead of failing, and runs once the
+// gate opens.
+func TestMemoryBudgetWaits(t *testing.T) {
+	srv := &Server{Memory: MaxPayload + 2*requestBase}
+	f := newTFix(t, srv)
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	c.request(cmdRead, 0, 1, offGate, 4096, nil) // held at the gate
+	<-f.gate.entered
+	d := dialRaw(t, f.sock)
+	d.connect("t", false, false)
+	d.request(cmdRead, 0, 2, 0, MaxPayload, nil) // needs the whole budget
+	waitFor(t, "the second request to wait for memory", func() bool { return srv.Stats().MemoryWaits > 0 })
+	close(f.gate.release)
+	if h, errno, _ := c.simple(4096); h != 1 || errno != 0 {
+		t.Fatalf("gated read: handle %d errno %d", h, errno)
+	}
+	if h, errno, _ := d.simple(0); h != 2 || errno != EINVAL {
+		// MaxPayload is past the end of "t": the point is that it got a
+		// reply once memory was free.
+		t.Fatalf("waiting request: handle %d errno %d", h, errno)
+	}
+}
