@@ -242,4 +242,3 @@ func abort(nc net.Conn, point int, payload []byte) {
 		nc.Write(payload)
 	}
 }
-
