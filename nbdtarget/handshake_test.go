@@ -91,6 +91,26 @@ func TestHandshake(t *testing.T) {
 			if got := string(rs[0].data[8:]); got != "main disk" {
 				t.Errorf("description %q", got)
 			}
+			// No description unless the operator set one: nothing of the
+			// host (such as the table's path) reaches the client.
+			if got := string(rs[1].data[4+2:]); got != "" {
+				t.Errorf("ro: description %q, want none", got)
+			}
+		}},
+		{"INFO sends only what was asked for", func(t *testing.T, c *rawClient) {
+			c.greet(3)
+			for _, name := range []string{"main", "ro"} {
+				c.option(6, infoData(name))
+				rs := c.replies()
+				if len(rs) != 2 || rs[0].typ != repINFO || binary.BigEndian.Uint16(rs[0].data) != 0 || rs[1].typ != repACK {
+					t.Fatalf("%s: replies %+v, want INFO_EXPORT and ACK", name, rs)
+				}
+			}
+			c.option(6, infoData("ro", 2, 3))
+			rs := c.replies()
+			if len(rs) != 3 || binary.BigEndian.Uint16(rs[1].data) != 3 {
+				t.Fatalf("ro with DESCRIPTION and BLOCK_SIZE asked: %+v, want EXPORT, BLOCK_SIZE, ACK", rs)
+			}
 		}},
 		{"LIST with data is invalid", func(t *testing.T, c *rawClient) {
 			c.greet(3)

@@ -15,6 +15,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // waitFor polls cond until it holds; the bound only turns a hang into a
@@ -240,5 +243,48 @@ func abort(nc net.Conn, point int, payload []byte) {
 	case 6: // a long write, cut off early
 		nc.Write(encodeRequest(nil, request{Type: cmdWrite, Length: MaxPayload + 1}))
 		nc.Write(payload)
+	}
+}
+
+// panicDev panics on every read: a bug in device code.
+type panicDev struct{ backing.Device }
+
+func (panicDev) ReadAt(p []byte, off int64) (int, error) { panic("device bug") }
+
+func TestPanicBecomesEIO(t *testing.T) {
+	var mu sync.Mutex
+	var panics []any
+	srv := &Server{OnPanic: func(v any, stack []byte) {
+		mu.Lock()
+		defer mu.Unlock()
+		panics = append(panics, v)
+		if len(stack) == 0 {
+			t.Error("OnPanic without a stack")
+		}
+	}}
+	good := backing.NewMem("good", 64*kb)
+	srv.Exports = []*Export{newExport(t, "p", seg{len: 64 * kb, dev: good}, seg{len: 64 * kb, dev: panicDev{backing.NewMem("bug", 64*kb)}})}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	for _, structured := range []bool{false, true} {
+		c := dialRaw(t, sock)
+		c.connect("p", structured, false)
+		c.request(cmdRead, 0, 1, 64*kb, 512, nil)
+		r := c.any()
+		errno := r.errno
+		if !r.simple {
+			errno, _, _, _ = chunkErrno(r.ch)
+		}
+		if r.handle != 1 || errno != EIO {
+			t.Fatalf("structured=%v: read over a panicking device: %+v", structured, r)
+		}
+		c.request(cmdRead, 0, 2, 0, 512, nil)
+		if r := c.any(); r.handle != 2 || r.errno != 0 {
+			t.Fatalf("structured=%v: the connection did not survive: %+v", structured, r)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(panics) != 2 || panics[0] != "device bug" || srv.Stats().Panics != 2 {
+		t.Fatalf("OnPanic saw %v, Stats.Panics %d; want 2 device bugs", panics, srv.Stats().Panics)
 	}
 }

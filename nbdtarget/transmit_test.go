@@ -251,6 +251,11 @@ func TestStructuredReplies(t *testing.T) {
 			if err != nil || ch.flags != 1 || errno != tc.errno || msg == "" {
 				t.Fatalf("chunk type %#x flags %d errno %d msg %q err %v", ch.typ, ch.flags, errno, msg, err)
 			}
+			// Device errors carry a fixed text per errno, never the
+			// error's own (which names paths and devices).
+			if tc.errno == EIO && msg != errMessage(EIO) {
+				t.Fatalf("EIO message %q, want %q", msg, errMessage(EIO))
+			}
 			if got := ch.typ == 1<<15+2; got != tc.atOff || (tc.atOff && off != offError) {
 				t.Fatalf("chunk type %#x offset %d", ch.typ, off)
 			}
