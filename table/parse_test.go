@@ -2,12 +2,15 @@ package table
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -311,5 +314,49 @@ func checkCover(t *testing.T, tb *Table, off, n int64) {
 	}
 	if next != off+n {
 		t.Fatalf("Map(%d, %d): extents end at %d", off, n, next)
+	}
+	checkDeviceCover(t, tb, off, n)
+}
+
+// checkDeviceCover checks that Cover reaches exactly the device bytes Map
+// does, and the same amount of zero and error target, each byte once.
+func checkDeviceCover(t *testing.T, tb *Table, off, n int64) {
+	t.Helper()
+	type span struct{ lo, hi int64 }
+	collect := func(walk func(int64, int64, func(Extent) bool) bool) (map[backing.Device][]span, map[Kind]int64) {
+		devs := map[backing.Device][]span{}
+		kinds := map[Kind]int64{}
+		walk(off, n, func(e Extent) bool {
+			kinds[e.Kind] += e.Len
+			if e.Kind == KindMapped {
+				devs[e.Dev] = append(devs[e.Dev], span{e.Off, e.Off + e.Len})
+			}
+			return true
+		})
+		for d, ss := range devs {
+			slices.SortFunc(ss, func(a, b span) int { return cmp.Compare(a.lo, b.lo) })
+			merged := ss[:1]
+			for _, s := range ss[1:] {
+				last := &merged[len(merged)-1]
+				if s.lo < last.hi {
+					t.Fatalf("[%d, %d): device %s byte %d reached twice", off, n, d.Name(), s.lo)
+				}
+				if s.lo == last.hi {
+					last.hi = s.hi
+				} else {
+					merged = append(merged, s)
+				}
+			}
+			devs[d] = merged
+		}
+		return devs, kinds
+	}
+	mapDevs, mapKinds := collect(tb.Map)
+	covDevs, covKinds := collect(tb.Cover)
+	if !maps.Equal(mapKinds, covKinds) {
+		t.Fatalf("[%d, %d): Cover covers %v, Map %v", off, n, covKinds, mapKinds)
+	}
+	if !maps.EqualFunc(mapDevs, covDevs, slices.Equal) {
+		t.Fatalf("[%d, %d): Cover reaches %v, Map %v", off, n, covDevs, mapDevs)
 	}
 }
