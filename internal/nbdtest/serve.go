@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -43,8 +44,8 @@ type Server struct {
 	Socket string // the unix socket it listens on
 
 	cmd    *exec.Cmd
-	stdout syncBuffer
-	stderr syncBuffer
+	stdout SyncBuffer
+	stderr SyncBuffer
 	exited chan struct{}
 	err    error // cmd.Wait's result, once exited is closed
 }
@@ -89,6 +90,29 @@ func (s *Server) WaitListening(t testing.TB, network, addr string) {
 // URI is the NBD URI of one of the server's exports.
 func (s *Server) URI(export string) string { return URI(s.Socket, export) }
 
+// PID is the server's process id.
+func (s *Server) PID() int { return s.cmd.Process.Pid }
+
+// PeakRSS is the server's peak resident set size so far (VmHWM), in bytes.
+func (s *Server) PeakRSS(t testing.TB) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", s.PID()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			var kb int64
+			if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d kB", &kb); err != nil {
+				t.Fatalf("VmHWM %q: %v", v, err)
+			}
+			return kb << 10
+		}
+	}
+	t.Fatal("no VmHWM in /proc/PID/status")
+	return 0
+}
+
 // Signal sends sig to the server; it is safe to call from any goroutine.
 func (s *Server) Signal(sig os.Signal) { s.cmd.Process.Signal(sig) }
 
@@ -114,20 +138,20 @@ func (s *Server) Stdout() string { return s.stdout.String() }
 // Stderr is what the server has logged so far.
 func (s *Server) Stderr() string { return s.stderr.String() }
 
-// syncBuffer is a bytes.Buffer that the process's output copier may write
+// SyncBuffer is a bytes.Buffer that a process's output copier may write
 // while the test reads it.
-type syncBuffer struct {
+type SyncBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
 }
 
-func (b *syncBuffer) Write(p []byte) (int, error) {
+func (b *SyncBuffer) Write(p []byte) (int, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.b.Write(p)
 }
 
-func (b *syncBuffer) String() string {
+func (b *SyncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.b.String()
