@@ -64,6 +64,22 @@ var (
 	descConnectionsTotal = desc("nbdmapper_connections_total",
 		"Client connections that reached the transmission phase since start, by export.",
 		"export")
+	descConnectionsOpen = desc("nbdmapper_connections_open",
+		"Client connections open now, handshakes included (bounded by --max-connections).")
+	descConnectionsRefused = desc("nbdmapper_connections_refused_total",
+		"Connections closed at once because --max-connections were open.")
+	descHandshakeTimeouts = desc("nbdmapper_handshake_timeouts_total",
+		"Connections closed for not finishing the NBD handshake within --handshake-timeout.")
+	descAcceptRetries = desc("nbdmapper_accept_retries_total",
+		"Accept errors (out of file descriptors or memory, aborted connections) backed off and retried.")
+	descPanics = desc("nbdmapper_panics_total",
+		"Panics in request code recovered and answered with EIO (each is a bug; the log has its stack).")
+	descMemoryInUse = desc("nbdmapper_request_memory_bytes",
+		"Bytes of the --memory budget held by requests now.")
+	descMemoryLimit = desc("nbdmapper_request_memory_limit_bytes",
+		"The --memory budget: the most all requests together may hold.")
+	descMemoryWaits = desc("nbdmapper_request_memory_waits_total",
+		"Requests that waited for the --memory budget before being read further.")
 
 	// Flush engine.
 	descFlushes = desc("nbdmapper_flushes_total",
@@ -194,7 +210,9 @@ func buildRevision() string {
 func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		descRequests, descRequestBytes, descRequestErrors, descInFlight,
-		descConnections, descConnectionsTotal,
+		descConnections, descConnectionsTotal, descConnectionsOpen,
+		descConnectionsRefused, descHandshakeTimeouts, descAcceptRetries,
+		descPanics, descMemoryInUse, descMemoryLimit, descMemoryWaits,
 		descFlushes, descDeviceFlushes, descDeviceSyncs, descDeviceSkipped,
 		descDeviceCoalesced, descDeviceSyncErrors, descDeviceDirty,
 		descDiscardRangesIn, descDiscardBytesIn, descDiscardCalls,
@@ -233,6 +251,14 @@ func gauge(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels ..
 // collectServer reports every op of every export, zeros included: the
 // server's Stats leaves out ops that never ran.
 func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.Stats) {
+	gauge(ch, descConnectionsOpen, float64(s.Connections))
+	counter(ch, descConnectionsRefused, uint64(s.Refused))
+	counter(ch, descHandshakeTimeouts, uint64(s.HandshakeTimeouts))
+	counter(ch, descAcceptRetries, uint64(s.AcceptRetries))
+	counter(ch, descPanics, uint64(s.Panics))
+	gauge(ch, descMemoryInUse, float64(s.MemoryInUse))
+	gauge(ch, descMemoryLimit, float64(s.MemoryLimit))
+	counter(ch, descMemoryWaits, uint64(s.MemoryWaits))
 	for _, x := range s.Exports {
 		gauge(ch, descConnections, float64(x.Connections), x.Name)
 		counter(ch, descConnectionsTotal, uint64(x.ConnectionsTotal), x.Name)

@@ -291,6 +291,7 @@ type Stats struct {
 	AcceptRetries     int64 // Accept errors (EMFILE, ...) backed off and retried
 	Panics            int64 // panics recovered and turned into EIO
 	MemoryInUse       int64 // bytes of Memory held by requests now
+	MemoryLimit       int64 // Memory, as in force
 	MemoryWaits       int64 // requests that waited for Memory
 }
 
@@ -375,6 +376,7 @@ func (s *Server) Stats() Stats {
 		AcceptRetries:     s.counters.acceptRetries.Load(),
 		Panics:            s.counters.panics.Load(),
 		MemoryInUse:       s.counters.memInUse.Load(),
+		MemoryLimit:       s.memory(),
 		MemoryWaits:       s.counters.memWaits.Load(),
 	}
 	for _, x := range s.Exports {

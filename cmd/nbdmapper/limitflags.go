@@ -3,6 +3,10 @@ package main
 import (
 	"flag"
 	"fmt"
+	"log/slog"
+	"os"
+	"runtime"
+	"runtime/debug"
 	"strings"
 	"time"
 
@@ -73,4 +77,28 @@ func (d *descriptions) Set(s string) error {
 	}
 	(*d)[name] = text
 	return nil
+}
+
+// memoryHeadroom is what the process may hold beyond its tables and the
+// request budget: runtime, stacks and connection buffers, and garbage not
+// yet collected. docs/limits.md states it.
+const memoryHeadroom = 16 << 20
+
+// limitMemory sets the Go runtime's soft memory limit to what the process
+// holds once its tables are loaded, plus the request budget and
+// memoryHeadroom, so that garbage from requests is collected before the
+// heap grows past the budget. Without it the heap of a server with a large
+// table (a million segments) may double before a collection, whatever the
+// budget. An operator's GOMEMLIMIT wins.
+func limitMemory(log *slog.Logger, budget int64) {
+	if os.Getenv("GOMEMLIMIT") != "" {
+		return
+	}
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	held := int64(ms.Sys - ms.HeapReleased)
+	limit := held + budget + memoryHeadroom
+	debug.SetMemoryLimit(limit)
+	log.Info("memory", "tables_and_runtime", held, "request_budget", budget, "limit", limit)
 }

@@ -225,3 +225,139 @@ func waitUnix(t *testing.T, sock string, exited chan error) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// envInt reads a test size from the environment (bench/hostile.sh sets
+// them), or returns def.
+func envInt(t *testing.T, name string, def int) int {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	var n int
+	if _, err := fmt.Sscan(v, &n); err != nil || n <= 0 {
+		t.Fatalf("%s=%q: want a positive integer", name, v)
+	}
+	return n
+}
+
+// TestHostileLoad keeps the most expensive requests in flight — maximum-
+// length TRIM, BLOCK_STATUS, CACHE and WRITE_ZEROES — over a striped table
+// with 1-sector chunks and a table of 1,048,576 segments, while other
+// connections move 1 GiB READs and WRITEs. Every request gets its reply,
+// and the server's peak RSS stays within --memory plus rssOverhead.
+//
+// HOSTILE_CONNS connections per table each keep HOSTILE_DEPTH requests in
+// flight (defaults are small for the suite; bench/hostile.sh runs 64 x 64).
+func TestHostileLoad(t *testing.T) {
+	if testing.Short() {
+		t.Skip("hostile load: not in -short")
+	}
+	conns := envInt(t, "HOSTILE_CONNS", 4)
+	depth := envInt(t, "HOSTILE_DEPTH", 8)
+	const gib = 1 << 30
+	dir := t.TempDir()
+	for _, f := range []string{"a.img", "b.img"} {
+		sparse.Create(t, filepath.Join(dir, f), 2*gib)
+	}
+	for _, f := range []string{"c.img", "d.img"} {
+		sparse.Create(t, filepath.Join(dir, f), 256<<20)
+	}
+	writeFile(t, filepath.Join(dir, "s.table"), fmt.Sprintf("0 %d striped 2 1 a.img 0 b.img 0\n", 4*gib/512))
+	// 1,048,576 one-sector segments, alternating between c and d.
+	var m strings.Builder
+	const segs = 1 << 20
+	for i := range segs {
+		fmt.Fprintf(&m, "%d 1 linear %s %d\n", i, []string{"c.img", "d.img"}[i%2], i/2)
+	}
+	writeFile(t, filepath.Join(dir, "m.table"), m.String())
+	const budget = 64 << 20
+	s := nbdtest.Start(t, bin, dir, "--metrics", "off", "--memory", "64M", "s=s.table", "m=m.table")
+	// The tables themselves are the operator's doing, not the clients':
+	// the bound is on what the load adds to the peak after start-up.
+	startRSS := s.PeakRSS(t)
+
+	type result struct {
+		what string
+		err  error
+	}
+	results := make(chan result, 2*conns+2)
+	hostile := func(export string, id int) {
+		c, err := nbdtest.DialNBD("unix", s.Socket, export, nbdtest.Allocation)
+		if err != nil {
+			results <- result{export, err}
+			return
+		}
+		defer c.Close()
+		length := uint32(min(c.Size, 1<<32-512))
+		kinds := []uint16{nbdtest.CmdTrim, nbdtest.CmdBlockStatus, nbdtest.CmdCache, nbdtest.CmdWriteZeroes}
+		for h := range depth {
+			if err := c.Send(kinds[(h+id)%len(kinds)], 0, uint64(h), 0, length); err != nil {
+				results <- result{export, err}
+				return
+			}
+		}
+		done := map[uint64]bool{}
+		for len(done) < depth {
+			r, err := c.Recv()
+			if err != nil {
+				results <- result{export, fmt.Errorf("after %d replies: %w", len(done), err)}
+				return
+			}
+			if r.Errno != 0 || r.Type == 1 || done[r.Handle] {
+				results <- result{export, fmt.Errorf("reply %+v", r)}
+				return
+			}
+			if r.Done() {
+				done[r.Handle] = true
+			}
+		}
+		results <- result{export, nil}
+	}
+	bulk := func(typ uint16) {
+		c, err := nbdtest.DialNBD("unix", s.Socket, "s")
+		if err != nil {
+			results <- result{"bulk", err}
+			return
+		}
+		defer c.Close()
+		if err := c.Send(typ, 0, 1, 0, gib); err != nil {
+			results <- result{"bulk", err}
+			return
+		}
+		if typ == nbdtest.CmdWrite {
+			p := make([]byte, 1<<20)
+			for range gib >> 20 {
+				if _, err := c.Write(p); err != nil {
+					results <- result{"bulk write", err}
+					return
+				}
+			}
+		}
+		r, err := c.Recv()
+		if err == nil && (r.Errno != 0 || r.Handle != 1) {
+			err = fmt.Errorf("reply %+v", r)
+		}
+		if err == nil && typ == nbdtest.CmdRead {
+			_, err = io.CopyN(io.Discard, c, gib)
+		}
+		results <- result{"bulk", err}
+	}
+	for i := range conns {
+		go hostile("s", i)
+		go hostile("m", i)
+	}
+	go bulk(nbdtest.CmdWrite)
+	go bulk(nbdtest.CmdRead)
+	for range 2*conns + 2 {
+		if r := <-results; r.err != nil {
+			t.Fatalf("%s: %v\n%s", r.what, r.err, s.Stderr())
+		}
+	}
+	rss := s.PeakRSS(t)
+	t.Logf("%d connections x %d requests per table, plus 1 GiB READ and WRITE: peak RSS %d MiB after start-up at %d MiB, with a %d MiB budget",
+		conns, depth, rss>>20, startRSS>>20, budget>>20)
+	if rss-startRSS > budget+rssOverhead {
+		t.Fatalf("peak RSS grew by %d MiB under load, more than the %d MiB budget + %d MiB", (rss-startRSS)>>20, budget>>20, rssOverhead>>20)
+	}
+	s.Stop(t)
+}

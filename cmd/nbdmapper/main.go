@@ -169,6 +169,8 @@ func runServe(args []string) error {
 		log.Info("export", "name", defs[i].Name, "table", defs[i].File, "bytes", t.Size(), "segments", len(t.Lines))
 	}
 
+	limitMemory(log, int64(lf.memory))
+
 	listeners, err := listen(sf)
 	if err != nil {
 		return err
