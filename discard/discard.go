@@ -37,6 +37,13 @@ type Engine struct {
 	// Observe, if set, is called after each device call with the device
 	// name, "discard" or "zero", and how long the call took.
 	Observe func(device, op string, d time.Duration)
+	// OnPanic, if set, is called with the value and stack of every panic
+	// the engine recovers from a device call. Those calls run on the
+	// caller's goroutine, on the batch timer's and on one goroutine per
+	// device; a panic on any of them fails only the requests waiting for
+	// that device call, with an error wrapping backing.ErrPanic, and the
+	// engine goes on.
+	OnPanic func(v any, stack []byte)
 
 	mu      sync.Mutex
 	batch   *batch // gathering trims; nil if none
@@ -275,7 +282,9 @@ func (e *Engine) discardEach(exts []Extent) error {
 	return nil
 }
 
-// call runs one device call, counting and timing it.
+// call runs one device call, counting and timing it. A panic in it becomes
+// an error, so the bookkeeping around every device call (in-flight lists,
+// batch waiters) always completes.
 func (e *Engine) call(st *device, op string, fn func() error) error {
 	if op == "zero" {
 		st.stats.zeroCalls.Add(1)
@@ -283,7 +292,7 @@ func (e *Engine) call(st *device, op string, fn func() error) error {
 		st.stats.calls.Add(1)
 	}
 	t0 := time.Now()
-	err := fn()
+	err := backing.Guard(st.dev.Name(), e.OnPanic, fn)
 	if e.Observe != nil {
 		e.Observe(st.dev.Name(), op, time.Since(t0))
 	}
@@ -390,26 +399,15 @@ func (e *Engine) zero(st *device, r backing.Range, punch int, fast bool) error {
 		}
 	}
 	if errors.Is(err, backing.ErrNotSupported) && !fast {
-		err = writeZeros(st.dev, r)
+		err = backing.Guard(st.dev.Name(), e.OnPanic, func() error {
+			return backing.WriteZeros(st.dev, r.Off, r.Len)
+		})
 	}
 	if err != nil {
 		if !errors.Is(err, backing.ErrNotSupported) {
 			st.stats.errors.Add(1)
 		}
 		return fmt.Errorf("zero %s %d+%d: %w", st.dev.Name(), r.Off, r.Len, err)
-	}
-	return nil
-}
-
-func writeZeros(d backing.Device, r backing.Range) error {
-	const chunk = 1 << 20
-	buf := make([]byte, min(chunk, r.Len))
-	for off := r.Off; off < r.End(); {
-		n := min(int64(len(buf)), r.End()-off)
-		if _, err := d.WriteAt(buf[:n], off); err != nil {
-			return err
-		}
-		off += n
 	}
 	return nil
 }
