@@ -4,73 +4,16 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"runtime"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/fault"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
-
-// deadline bounds every wait in these tests. It is generous: it only fires
-// when something hangs, and then fails the test instead of the suite.
-const deadline = 30 * time.Second
-
-// within waits for ch, failing t after deadline.
-func within[T any](t testing.TB, what string, ch <-chan T) T {
-	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(deadline):
-		t.Fatalf("%s: still waiting after %v", what, deadline)
-		panic("unreachable")
-	}
-}
-
-// waitFor waits until cond holds, failing t after deadline. It is for
-// conditions only a counter shows (a flush registered with a device); it
-// yields between checks and decides nothing by time.
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	end := time.Now().Add(deadline)
-	for !cond() {
-		if time.Now().After(end) {
-			t.Fatalf("%s: still waiting after %v", what, deadline)
-		}
-		runtime.Gosched()
-		time.Sleep(100 * time.Microsecond)
-	}
-}
-
-// fault is one way a device call fails: an errno, or a panic.
-type fault struct {
-	name string
-	err  error // nil: the call panics
-}
-
-var faults = []fault{{"EIO", unix.EIO}, {"ENOSPC", unix.ENOSPC}, {"EROFS", unix.EROFS}, {"panic", nil}}
-
-// hook is what a backing.Faulty runs in place of the failing call.
-func (f fault) hook() func() error {
-	if f.err == nil {
-		return func() error { panic("device bug in " + f.name) }
-	}
-	return func() error { return f.err }
-}
-
-// is says whether err is what the fault must turn into.
-func (f fault) is(err error) bool {
-	if f.err == nil {
-		return errors.Is(err, backing.ErrPanic)
-	}
-	return errors.Is(err, f.err)
-}
 
 // fileDisk is a real sparse file behind a backing.Faulty, tracked by an
 // engine.
@@ -91,38 +34,10 @@ func newFileDisk(t *testing.T, e *Engine, name string) *fileDisk {
 	return &fileDisk{name: f.Name(), faulty: fd, dev: e.Track(fd)}
 }
 
-// panicLog collects what an engine's OnPanic reports.
-type panicLog struct {
-	mu     sync.Mutex
-	values []any
-	stacks []string
-}
-
-func logPanics(e *Engine) *panicLog {
-	l := &panicLog{}
-	e.OnPanic = func(v any, stack []byte) {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		l.values = append(l.values, v)
-		l.stacks = append(l.stacks, string(stack))
-	}
+func logPanics(e *Engine) *fault.PanicLog {
+	l := &fault.PanicLog{}
+	e.OnPanic = l.OnPanic
 	return l
-}
-
-// check fails t unless exactly want panics were reported, each with the
-// stack of the goroutine that panicked (which runs the test's hook).
-func (l *panicLog) check(t *testing.T, want int) {
-	t.Helper()
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if len(l.values) != want {
-		t.Fatalf("OnPanic saw %d panics (%v), want %d", len(l.values), l.values, want)
-	}
-	for _, s := range l.stacks {
-		if !strings.Contains(s, "faults_test.go") {
-			t.Fatalf("reported stack is not the panicking goroutine's:\n%s", s)
-		}
-	}
 }
 
 // A FUA write whose durable write fails, on the RWF_DSYNC path or in the
@@ -139,24 +54,20 @@ func TestWriteFUAFailure(t *testing.T) {
 		panics int
 	}
 	var cases []tcase
-	for _, flt := range faults {
-		panics := 0
-		if flt.err == nil {
-			panics = 1
-		}
+	for _, flt := range fault.All {
 		cases = append(cases,
-			tcase{"dsync " + flt.name, func(f *backing.Faulty) { f.Inject(backing.OpDSync, flt.hook()) }, flt.is, true, panics},
-			tcase{"fallback sync " + flt.name, func(f *backing.Faulty) {
+			tcase{"dsync " + flt.Name, func(f *backing.Faulty) { f.Inject(backing.OpDSync, flt.Hook()) }, flt.Is, true, flt.Panics()},
+			tcase{"fallback sync " + flt.Name, func(f *backing.Faulty) {
 				f.Inject(backing.OpDSync, func() error { return backing.ErrNotSupported })
-				f.Inject(backing.OpSync, flt.hook())
-			}, flt.is, true, panics})
+				f.Inject(backing.OpSync, flt.Hook())
+			}, flt.Is, true, flt.Panics()})
 	}
 	cases = append(cases,
-		tcase{"dsync EINVAL", func(f *backing.Faulty) { f.Inject(backing.OpDSync, fault{"", unix.EINVAL}.hook()) },
+		tcase{"dsync EINVAL", func(f *backing.Faulty) { f.Inject(backing.OpDSync, fault.Errno(unix.EINVAL).Hook()) },
 			func(err error) bool { return errors.Is(err, unix.EINVAL) }, false, 0},
 		tcase{"fallback write EIO", func(f *backing.Faulty) {
 			f.Inject(backing.OpDSync, func() error { return backing.ErrNotSupported })
-			f.Inject(backing.OpWrite, fault{"", unix.EIO}.hook())
+			f.Inject(backing.OpWrite, fault.Errno(unix.EIO).Hook())
 		}, func(err error) bool { return errors.Is(err, unix.EIO) }, false, 0})
 
 	for _, tc := range cases {
@@ -170,7 +81,7 @@ func TestWriteFUAFailure(t *testing.T) {
 			if !tc.is(err) {
 				t.Fatalf("WriteFUA: %v, want the device's error", err)
 			}
-			panics.check(t, tc.panics)
+			panics.Check(t, tc.panics)
 			for _, op := range []backing.Op{backing.OpDSync, backing.OpSync, backing.OpWrite} {
 				a.faulty.Inject(op, nil) // the device recovers
 			}
@@ -204,16 +115,16 @@ func (d *fileDisk) write(t testing.TB, off int64, b ...byte) {
 // flush's goroutine or on the one the engine starts for a queued sync; every
 // later flush fails too, and nothing hangs.
 func TestGroupCommitFailure(t *testing.T) {
-	for _, flt := range faults {
+	for _, flt := range fault.All {
 		for _, failing := range []int{1, 2} { // the running sync, or the queued one
-			t.Run(fmt.Sprintf("%s/sync %d fails", flt.name, failing), func(t *testing.T) {
+			t.Run(fmt.Sprintf("%s/sync %d fails", flt.Name, failing), func(t *testing.T) {
 				e := New()
 				panics := logPanics(e)
 				a := newFileDisk(t, e, "a.img")
 				entered := make(chan struct{}, 4)
 				gate := make(chan struct{})
 				var syncs atomic.Int32
-				fail := flt.hook()
+				fail := flt.Hook()
 				a.faulty.Inject(backing.OpSync, func() error {
 					entered <- struct{}{}
 					<-gate
@@ -229,7 +140,7 @@ func TestGroupCommitFailure(t *testing.T) {
 				first := make(chan error, 5) // the flush that starts S1 and those joining it
 				next := make(chan error, 4)  // flushes queued behind S1, served by S2
 				flush(first)
-				within(t, "first sync starts", entered)
+				fault.Within(t, "first sync starts", entered)
 				for range 4 {
 					flush(first)
 				}
@@ -242,14 +153,14 @@ func TestGroupCommitFailure(t *testing.T) {
 				close(gate)
 
 				for i := range 5 {
-					err := within(t, "flushes joined to the first sync", first)
-					if failing == 1 && !flt.is(err) || failing == 2 && err != nil {
+					err := fault.Within(t, "flushes joined to the first sync", first)
+					if failing == 1 && !flt.Is(err) || failing == 2 && err != nil {
 						t.Errorf("flush %d on the first sync: %v", i, err)
 					}
 				}
 				for i := range 4 {
-					err := within(t, "flushes queued behind the first sync", next)
-					if failing == 1 && !errors.Is(err, ErrSyncFailed) || failing == 2 && !flt.is(err) {
+					err := fault.Within(t, "flushes queued behind the first sync", next)
+					if failing == 1 && !errors.Is(err, ErrSyncFailed) || failing == 2 && !flt.Is(err) {
 						t.Errorf("queued flush %d: %v", i, err)
 					}
 				}
@@ -259,9 +170,7 @@ func TestGroupCommitFailure(t *testing.T) {
 				if got := int(syncs.Load()); got != failing {
 					t.Errorf("%d syncs reached the device, want %d", got, failing)
 				}
-				if flt.err == nil {
-					panics.check(t, 1)
-				}
+				panics.Check(t, flt.Panics())
 				if s := devStats(e, a.name); !s.Failed || s.SyncErrors != 1 {
 					t.Errorf("stats %+v, want failed after one sync error", s)
 				}
@@ -280,8 +189,8 @@ func TestSyncPanicOnFlushGoroutine(t *testing.T) {
 	a := newFileDisk(t, e, "a.img")
 	b := newFileDisk(t, e, "b.img")
 	u := backing.NewFaulty(backing.NewMem("untracked", 4096))
-	b.faulty.Inject(backing.OpSync, fault{"panic", nil}.hook())
-	u.Inject(backing.OpSync, fault{"panic", nil}.hook())
+	b.faulty.Inject(backing.OpSync, fault.Panic.Hook())
+	u.Inject(backing.OpSync, fault.Panic.Hook())
 	a.write(t, 0, 1)
 	b.write(t, 0, 1)
 
@@ -289,7 +198,7 @@ func TestSyncPanicOnFlushGoroutine(t *testing.T) {
 	if !errors.Is(err, backing.ErrPanic) || !strings.Contains(err.Error(), b.name) || !strings.Contains(err.Error(), "untracked") {
 		t.Fatalf("flush: %v, want panics of %s and untracked", err, b.name)
 	}
-	panics.check(t, 2)
+	panics.Check(t, 2)
 	if sa, sb := devStats(e, a.name), devStats(e, b.name); sa.Failed || sa.Dirty || !sb.Failed {
 		t.Fatalf("a %+v, b %+v: want a synced, b failed", sa, sb)
 	}
@@ -314,13 +223,13 @@ func TestTrackedWriteFailure(t *testing.T) {
 		{backing.OpZero, func(d backing.Device) error { return d.Zero(0, 4096, false) }},
 	}
 	for _, o := range ops {
-		for _, flt := range faults {
-			t.Run(fmt.Sprintf("%s/%s", o.op, flt.name), func(t *testing.T) {
+		for _, flt := range fault.All {
+			t.Run(fmt.Sprintf("%s/%s", o.op, flt.Name), func(t *testing.T) {
 				e := New()
 				logPanics(e)
 				a := newFileDisk(t, e, "a.img")
-				a.faulty.Inject(o.op, flt.hook())
-				if err := o.do(a.dev); !flt.is(err) {
+				a.faulty.Inject(o.op, flt.Hook())
+				if err := o.do(a.dev); !flt.Is(err) {
 					t.Fatalf("%s: %v, want the device's error", o.op, err)
 				}
 				if s := devStats(e, a.name); !s.Dirty {
@@ -347,16 +256,16 @@ func TestDSyncFailureDuringSync(t *testing.T) {
 		<-gate
 		return nil
 	})
-	a.faulty.Inject(backing.OpDSync, fault{"", unix.EIO}.hook())
+	a.faulty.Inject(backing.OpDSync, fault.Errno(unix.EIO).Hook())
 	a.write(t, 0, 1)
 	done := make(chan error, 1)
 	go func() { done <- e.Flush([]backing.Device{a.dev}) }()
-	within(t, "sync starts", entered)
+	fault.Within(t, "sync starts", entered)
 	if err := e.WriteFUA(a.dev, []byte{2}, 1); !errors.Is(err, unix.EIO) {
 		t.Fatalf("WriteFUA: %v, want EIO", err)
 	}
 	close(gate)
-	if err := within(t, "flush", done); !errors.Is(err, ErrSyncFailed) || !errors.Is(err, unix.EIO) {
+	if err := fault.Within(t, "flush", done); !errors.Is(err, ErrSyncFailed) || !errors.Is(err, unix.EIO) {
 		t.Fatalf("flush whose sync ran across the failure: %v, want ErrSyncFailed wrapping EIO", err)
 	}
 }

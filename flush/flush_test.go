@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/fault"
 	"github.com/nbdmapper/nbdmapper/internal/golden"
 	"golang.org/x/sys/unix"
 )
@@ -65,7 +66,7 @@ func devStats(e *Engine, name string) DeviceStats {
 // deadline.
 func waitRequested(t testing.TB, e *Engine, name string, n uint64) {
 	t.Helper()
-	waitFor(t, fmt.Sprintf("%d flushes of %s", n, name), func() bool { return devStats(e, name).Requested >= n })
+	fault.WaitFor(t, fmt.Sprintf("%d flushes of %s", n, name), func() bool { return devStats(e, name).Requested >= n })
 }
 
 // TestPlanGolden drives scripted scenarios and records every plan, so that a

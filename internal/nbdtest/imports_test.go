@@ -10,7 +10,7 @@ import (
 // nbdmapper binary: no package may import them outside its _test.go files.
 func TestOnlyTestsImportTestSupport(t *testing.T) {
 	const module = "github.com/nbdmapper/nbdmapper"
-	support := []string{module + "/internal/golden", module + "/internal/nbdtest", module + "/internal/sparse"}
+	support := []string{module + "/internal/fault", module + "/internal/golden", module + "/internal/nbdtest", module + "/internal/sparse"}
 	out, err := exec.Command(Tool(t, "go"), "list", "-e", "-f", `{{.ImportPath}} {{join .Imports " "}}`, module+"/...").Output()
 	if err != nil {
 		t.Fatalf("go list: %v", err)
