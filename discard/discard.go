@@ -121,7 +121,7 @@ func (e *Engine) Discard(exts []Extent) error {
 			sts[i] = e.device(p.dev)
 			sts[i].stats.received(p.in)
 		}
-		errs := e.launch(plan(OpDiscard, devs), sts)
+		errs := e.launch(plan(OpDiscard, devs, true), sts)
 		return joinErrs(sts, errs)
 	}
 
@@ -180,7 +180,7 @@ func (e *Engine) seal(b *batch) {
 		devs[i] = st.gathering
 		st.gathering = nil
 	}
-	wait := e.launch(plan(OpDiscard, devs), b.devs)
+	wait := e.launch(plan(OpDiscard, devs, true), b.devs)
 	errs := make(map[*device]error)
 	for _, st := range b.devs {
 		if err := wait(st); err != nil {
@@ -218,7 +218,7 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 	for i, st := range sts {
 		j := jobs[st]
 		run := func() {
-			j.err = e.discardCalls(st, p.Devices[i].Calls)
+			j.err = e.discardCalls(st, p.Devices[i].Calls, p.Devices[i].Limits)
 			e.mu.Lock()
 			if len(p.Devices[i].Calls) > 0 {
 				st.inflight = removeInflight(st.inflight, j.fl)
@@ -244,25 +244,32 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 	}
 }
 
-// discardCalls issues calls on one device in order. A device that reports
+// discardCalls issues calls on one device in order, each split into pieces
+// of at most the device's MaxBytes as it goes. A device that reports
 // ErrNotSupported is remembered and skipped from then on; the first other
 // error stops the device's remaining calls.
-func (e *Engine) discardCalls(st *device, calls []backing.Range) error {
+func (e *Engine) discardCalls(st *device, calls []backing.Range, lim backing.Limits) error {
 	for i, r := range calls {
-		if st.noDiscard.Load() {
-			st.stats.unsupported.Add(uint64(len(calls) - i))
-			return nil
-		}
-		err := e.call(st, "discard", func() error { return st.dev.Discard(r.Off, r.Len) })
-		switch {
-		case errors.Is(err, backing.ErrNotSupported):
-			st.noDiscard.Store(true)
-			st.stats.unsupported.Add(1)
-		case err != nil:
-			st.stats.errors.Add(1)
-			return fmt.Errorf("discard %s %d+%d: %w", st.dev.Name(), r.Off, r.Len, err)
-		default:
-			st.stats.bytesOut.Add(uint64(r.Len))
+		for c := range pieces(r, lim) {
+			if st.noDiscard.Load() {
+				left := pieceCount(backing.Range{Off: c.Off, Len: r.End() - c.Off}, lim)
+				for _, rest := range calls[i+1:] {
+					left += pieceCount(rest, lim)
+				}
+				st.stats.unsupported.Add(uint64(left))
+				return nil
+			}
+			err := e.call(st, "discard", func() error { return st.dev.Discard(c.Off, c.Len) })
+			switch {
+			case errors.Is(err, backing.ErrNotSupported):
+				st.noDiscard.Store(true)
+				st.stats.unsupported.Add(1)
+			case err != nil:
+				st.stats.errors.Add(1)
+				return fmt.Errorf("discard %s %d+%d: %w", st.dev.Name(), c.Off, c.Len, err)
+			default:
+				st.stats.bytesOut.Add(uint64(c.Len))
+			}
 		}
 	}
 	return nil
@@ -275,7 +282,7 @@ func (e *Engine) discardEach(exts []Extent) error {
 		st := e.device(x.Dev)
 		e.mu.Unlock()
 		st.stats.received([]backing.Range{{Off: x.Off, Len: x.Len}})
-		if err := e.discardCalls(st, []backing.Range{{Off: x.Off, Len: x.Len}}); err != nil {
+		if err := e.discardCalls(st, []backing.Range{{Off: x.Off, Len: x.Len}}, backing.Limits{}); err != nil {
 			return err
 		}
 	}
