@@ -74,4 +74,3 @@ func TestRecoverAllocatesNothing(t *testing.T) {
 		t.Fatalf("%v allocations per call", n)
 	}
 }
-
