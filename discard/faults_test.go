@@ -3,7 +3,6 @@ package discard_test
 import (
 	"bytes"
 	"fmt"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -11,24 +10,12 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/internal/fault"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
 // faultyFiles opens two real sparse files, a.img and b.img, each behind a
 // backing.Faulty.
 func faultyFiles(t *testing.T) [2]*backing.Faulty {
-	t.Helper()
-	dir := t.TempDir()
-	var out [2]*backing.Faulty
-	for i, name := range []string{"a.img", "b.img"} {
-		f, err := backing.OpenFile(sparse.Create(t, filepath.Join(dir, name), 1<<20), false)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { f.Close() })
-		out[i] = backing.NewFaulty(f)
-	}
-	return out
+	return [2]*backing.Faulty(fault.Files(t, 1<<20, "a.img", "b.img"))
 }
 
 func ext(d backing.Device, off, n int64) discard.Extent {

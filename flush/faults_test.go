@@ -3,7 +3,6 @@ package flush
 import (
 	"errors"
 	"fmt"
-	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/fault"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
 // fileDisk is a real sparse file behind a backing.Faulty, tracked by an
@@ -25,13 +23,8 @@ type fileDisk struct {
 
 func newFileDisk(t *testing.T, e *Engine, name string) *fileDisk {
 	t.Helper()
-	f, err := backing.OpenFile(sparse.Create(t, filepath.Join(t.TempDir(), name), 1<<20), false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { f.Close() })
-	fd := backing.NewFaulty(f)
-	return &fileDisk{name: f.Name(), faulty: fd, dev: e.Track(fd)}
+	f := fault.Files(t, 1<<20, name)[0]
+	return &fileDisk{name: f.Name(), faulty: f, dev: e.Track(f)}
 }
 
 func logPanics(e *Engine) *fault.PanicLog {

@@ -2,33 +2,25 @@ package metrics
 
 import (
 	"errors"
-	"path/filepath"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/flush"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/fault"
 )
 
 // A device whose sync failed reads 1 in nbdmapper_device_failed, and stays
 // there after a sync that succeeds; the other device reads 0 throughout.
 func TestDeviceFailedGauge(t *testing.T) {
-	dir := t.TempDir()
 	e := flush.New()
 	m := New(Config{Flush: e})
-	var faulty [2]*backing.Faulty
+	faulty := fault.Files(t, 1<<20, "good.img", "bad.img")
 	var devs [2]backing.Device
 	var names [2]string
-	for i := range 2 {
-		f, err := backing.OpenFile(sparse.Create(t, filepath.Join(dir, []string{"good.img", "bad.img"}[i]), 1<<20), false)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { f.Close() })
-		faulty[i] = backing.NewFaulty(f)
-		devs[i] = e.Track(faulty[i])
+	for i, f := range faulty {
+		devs[i] = e.Track(f)
 		names[i] = f.Name()
 	}
 	gauges := func(good, bad float64) []wantValue {

@@ -14,6 +14,7 @@ package fault
 
 import (
 	"errors"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -23,6 +24,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
 // Deadline bounds every wait. It only fires when something hangs.
@@ -55,6 +57,25 @@ func WaitFor(t testing.TB, what string, cond func() bool) {
 		runtime.Gosched()
 		time.Sleep(100 * time.Microsecond)
 	}
+}
+
+// Files creates a sparse file of size bytes for each of names in a
+// temporary directory, opens it and puts it behind a backing.Faulty: real
+// files with faults on top. They are closed when t ends. A device's Name is
+// its file's path.
+func Files(t testing.TB, size int64, names ...string) []*backing.Faulty {
+	t.Helper()
+	dir := t.TempDir()
+	out := make([]*backing.Faulty, len(names))
+	for i, name := range names {
+		f, err := backing.OpenFile(sparse.Create(t, filepath.Join(dir, name), size), false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		out[i] = backing.NewFaulty(f)
+	}
+	return out
 }
 
 // Fault is one way a device call fails: an errno, or a panic (Err nil).
