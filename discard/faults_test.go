@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/internal/fault"
@@ -136,5 +138,46 @@ func TestZeroFailure(t *testing.T) {
 				})
 			}
 		}
+	}
+}
+
+// Over the wire, with libnbd: trims and write-zeroes on a device that
+// fails or panics get the errno of its error, those on the healthy device
+// succeed, and the connection stays up for the next request.
+func TestServerDeviceFaults(t *testing.T) {
+	for _, tc := range []struct {
+		flt   fault.Fault
+		errno string // Python's errno name for the NBD error
+	}{
+		{fault.Errno(unix.EIO), "EIO"},
+		{fault.Errno(unix.ENOSPC), "ENOSPC"},
+		{fault.Errno(unix.EROFS), "EPERM"},
+		{fault.Panic, "EIO"},
+	} {
+		t.Run(tc.flt.Name, func(t *testing.T) {
+			eng := engine(time.Millisecond, 0)
+			panics := &fault.PanicLog{}
+			eng.OnPanic = panics.OnPanic
+			devs := faultyFiles(t)
+			pool := &backing.Pool{}
+			for _, d := range devs {
+				pool.Add(d.Name(), d)
+			}
+			x := export(t, fmt.Sprintf("0 1024 linear %s 0\n1024 1024 linear %s 0\n", devs[0].Name(), devs[1].Name()), pool, eng)
+			devs[0].Inject(backing.OpDiscard, tc.flt.Hook())
+			devs[0].Inject(backing.OpZero, tc.flt.Hook())
+			nbdsh(t, serve(t, x), fmt.Sprintf(`
+for name, call in [("trim", lambda off: h.trim(65536, off)), ("zero", lambda off: h.zero(65536, off))]:
+    try:
+        call(0)
+        raise SystemExit(name + " on the failing device succeeded")
+    except nbd.Error as e:
+        if e.errno != "%s":
+            raise SystemExit("%%s: errno %%s, want %s" %% (name, e.errno))
+    call(1024 * 512)  # the healthy device
+h.pwrite(b"x" * 4096, 0)
+`, tc.errno, tc.errno))
+			panics.Check(t, 2*tc.flt.Panics())
+		})
 	}
 }

@@ -85,13 +85,13 @@ type Fault struct {
 }
 
 // All are the faults every path is tested with.
-var All = []Fault{{"EIO", unix.EIO}, {"ENOSPC", unix.ENOSPC}, {"EROFS", unix.EROFS}, Panic}
+var All = []Fault{Errno(unix.EIO), Errno(unix.ENOSPC), Errno(unix.EROFS), Panic}
 
 // Panic is a device call that panics.
 var Panic = Fault{Name: "panic"}
 
-// Errno is a device call that fails with err.
-func Errno(err error) Fault { return Fault{Name: err.Error(), Err: err} }
+// Errno is a device call that fails with err, named by its errno (EIO).
+func Errno(err unix.Errno) Fault { return Fault{Name: unix.ErrnoName(err), Err: err} }
 
 // Hook is what a backing.Faulty runs in place of the failing call.
 func (f Fault) Hook() func() error {
