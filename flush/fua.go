@@ -28,10 +28,7 @@ type DSyncWriter interface {
 func (e *Engine) WriteFUA(d backing.Device, p []byte, off int64) error {
 	if t := e.lookup(d); t != nil && !t.noDSync.Load() {
 		if w, ok := t.Device.(DSyncWriter); ok {
-			err := backing.Guard(t.Name(), e.OnPanic, func() error {
-				_, err := w.WriteAtDSync(p, off)
-				return err
-			})
+			err := t.writeDSync(w, p, off)
 			switch {
 			case err == nil:
 				return nil
@@ -47,14 +44,25 @@ func (e *Engine) WriteFUA(d backing.Device, p []byte, off int64) error {
 			}
 		}
 	}
-	err := backing.Guard(d.Name(), e.OnPanic, func() error {
-		_, err := d.WriteAt(p, off)
-		return err
-	})
-	if err != nil {
+	if err := e.write(d, p, off); err != nil {
 		return err
 	}
 	return e.Flush([]backing.Device{d})
+}
+
+// writeDSync is w.WriteAtDSync with a panic turned into an error.
+func (t *tracked) writeDSync(w DSyncWriter, p []byte, off int64) (err error) {
+	defer backing.Recover(&err, t.Name(), t.e.OnPanic)
+	_, err = w.WriteAtDSync(p, off)
+	return err
+}
+
+// write is d.WriteAt with a panic turned into an error (a tracked device
+// does that itself; an untracked one may not).
+func (e *Engine) write(d backing.Device, p []byte, off int64) (err error) {
+	defer backing.Recover(&err, d.Name(), e.OnPanic)
+	_, err = d.WriteAt(p, off)
+	return err
 }
 
 // failsDevice says whether a failed durable write (pwritev2 RWF_DSYNC) must
