@@ -121,7 +121,7 @@ func (e *Engine) Discard(exts []Extent) error {
 			sts[i] = e.device(p.dev)
 			sts[i].stats.received(p.in)
 		}
-		errs := e.launch(plan(OpDiscard, devs, true), sts)
+		errs := e.launch(plan(OpDiscard, devs, e), sts)
 		return joinErrs(sts, errs)
 	}
 
@@ -180,7 +180,7 @@ func (e *Engine) seal(b *batch) {
 		devs[i] = st.gathering
 		st.gathering = nil
 	}
-	wait := e.launch(plan(OpDiscard, devs, true), b.devs)
+	wait := e.launch(plan(OpDiscard, devs, e), b.devs)
 	errs := make(map[*device]error)
 	for _, st := range b.devs {
 		if err := wait(st); err != nil {
@@ -218,7 +218,10 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 	for i, st := range sts {
 		j := jobs[st]
 		run := func() {
-			j.err = e.discardCalls(st, p.Devices[i].Calls, p.Devices[i].Limits)
+			j.err = p.Devices[i].err
+			if j.err == nil {
+				j.err = e.discardCalls(st, p.Devices[i].Calls, p.Devices[i].Limits)
+			}
 			e.mu.Lock()
 			if len(p.Devices[i].Calls) > 0 {
 				st.inflight = removeInflight(st.inflight, j.fl)

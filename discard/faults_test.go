@@ -181,3 +181,30 @@ h.pwrite(b"x" * 4096, 0)
 		})
 	}
 }
+
+// panicLimits is a device whose Limits panics.
+type panicLimits struct{ backing.Device }
+
+func (panicLimits) Limits() backing.Limits { panic("device bug: limits") }
+
+// The timer's goroutine also plans the batch, asking each device for its
+// limits: a device that panics there fails the trims waiting for it, and
+// the other device's are issued.
+func TestDiscardLimitsPanic(t *testing.T) {
+	eng := engine(time.Millisecond, 0)
+	panics := &fault.PanicLog{}
+	eng.OnPanic = panics.OnPanic
+	devs := faultyFiles(t)
+	bad := panicLimits{devs[0]}
+	done := make(chan error, 1)
+	go func() { done <- eng.Discard([]discard.Extent{ext(bad, 0, 64<<10), ext(devs[1], 0, 64<<10)}) }()
+	if err := fault.Within(t, "trim", done); !fault.Panic.Is(err) {
+		t.Fatalf("trim: %v, want the panic", err)
+	}
+	if n := len(eng.Stats().Devices); n != 2 {
+		t.Fatalf("%d devices in stats", n)
+	}
+	if st := statsOf(t, eng, devs[1].Name()); st.BytesOut != 64<<10 {
+		t.Errorf("healthy device stats %+v, want its range discarded", st)
+	}
+}

@@ -51,6 +51,8 @@ type DevicePlan struct {
 	Claimed []backing.Range // ranges written since they arrived (merged), never discarded
 	Merged  []backing.Range // In sorted, merged, minus Claimed
 	Calls   []backing.Range // what reaches the device, ascending (see plan)
+
+	err error // the device's Limits panicked (see plan)
 }
 
 // MergedAway is how many received ranges disappeared into a neighbour.
@@ -58,11 +60,11 @@ func (d DevicePlan) MergedAway() int { return max(len(d.In)-len(Merge(d.In)), 0)
 
 // PlanDiscard plans a discard of exts: per device, sorted, merged, cut
 // inward to the device's granularity and split at its maximum size.
-func PlanDiscard(exts []Extent) Plan { return plan(OpDiscard, group(exts), false) }
+func PlanDiscard(exts []Extent) Plan { return plan(OpDiscard, group(exts), nil) }
 
 // PlanZero plans zeroing exts: per device, sorted and merged, nothing cut,
 // because the whole range must read back as zeros.
-func PlanZero(exts []Extent) Plan { return plan(OpZero, group(exts), false) }
+func PlanZero(exts []Extent) Plan { return plan(OpZero, group(exts), nil) }
 
 // pending is one device's ranges while a plan is being gathered.
 type pending struct {
@@ -88,21 +90,31 @@ func group(exts []Extent) []*pending {
 	return out
 }
 
-// plan plans devs. For the engine's own plans (issue), a discard's Calls
-// are cut but not split: the engine splits each one at Limits.MaxBytes only
-// as it issues it (see cut).
-func plan(op Op, devs []*pending, issue bool) Plan {
+// plan plans devs. For a plan the engine issues (issuer set), a discard's
+// Calls are cut but not split: the engine splits each one at
+// Limits.MaxBytes only as it issues it (see cut). And a device whose Limits
+// panics gets no calls but the panic's error in err, for the trims that
+// wait for it: the engine plans on the batch timer's goroutine too.
+func plan(op Op, devs []*pending, issuer *Engine) Plan {
 	p := Plan{Op: op}
 	for _, d := range devs {
 		dp := DevicePlan{
 			Dev:     d.dev,
-			Limits:  d.dev.Limits(),
 			In:      d.in,
 			Claimed: Merge(d.claimed),
 		}
+		if issuer == nil {
+			dp.Limits = d.dev.Limits()
+		} else {
+			dp.err = backing.Guard(d.dev.Name(), issuer.OnPanic, func() error {
+				dp.Limits = d.dev.Limits()
+				return nil
+			})
+		}
 		dp.Merged = Subtract(Merge(d.in), dp.Claimed)
 		switch {
-		case op == OpDiscard && issue:
+		case dp.err != nil:
+		case op == OpDiscard && issuer != nil:
 			dp.Calls = cut(dp.Merged, dp.Limits)
 		case op == OpDiscard:
 			dp.Calls = Align(dp.Merged, dp.Limits)

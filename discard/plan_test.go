@@ -54,7 +54,7 @@ func TestPlanGolden(t *testing.T) {
 			for _, p := range devs {
 				p.claimed = tc.claimed[p.dev]
 			}
-			p := plan(tc.op, devs, false)
+			p := plan(tc.op, devs, nil)
 			checkPlan(t, p)
 			golden.Check(t, "testdata/plan-"+tc.name+".golden", p.String())
 		})
@@ -185,7 +185,7 @@ func TestEngineSplitsAsItIssues(t *testing.T) {
 	const size, maxBytes = 64 << 20, 64 << 10
 	rec := backing.NewRecorder(limited{backing.NewMem("a", size), backing.Limits{Granularity: 4096, MaxBytes: maxBytes}})
 	devs := group([]Extent{{Dev: rec, Off: 0, Len: size}})
-	if p := plan(OpDiscard, devs, true); len(p.Devices[0].Calls) != 1 {
+	if p := plan(OpDiscard, devs, New()); len(p.Devices[0].Calls) != 1 {
 		t.Fatalf("engine plan holds %d calls, want the 1 range", len(p.Devices[0].Calls))
 	}
 	eng := New()
