@@ -80,8 +80,12 @@ func (f *Faulty) Inject(op Op, fn func() error) {
 
 // BeforeSync sets a function every Sync calls first, outside all locks (tests
 // use it to hold a sync in flight). It is Inject(OpSync) for a function that
-// only waits.
+// only waits; nil removes it.
 func (f *Faulty) BeforeSync(fn func()) {
+	if fn == nil {
+		f.Inject(OpSync, nil)
+		return
+	}
 	f.Inject(OpSync, func() error { fn(); return nil })
 }
 

@@ -173,3 +173,15 @@ func TestFaultyInject(t *testing.T) {
 		})
 	}
 }
+
+// BeforeSync(nil) removes what BeforeSync installed.
+func TestFaultyBeforeSyncNil(t *testing.T) {
+	f := NewFaulty(NewMem("a", 4096))
+	var calls int
+	f.BeforeSync(func() { calls++ })
+	f.Sync()
+	f.BeforeSync(nil)
+	if err := f.Sync(); err != nil || calls != 1 {
+		t.Fatalf("Sync after BeforeSync(nil): %v, hook ran %d times, want once", err, calls)
+	}
+}
