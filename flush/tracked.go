@@ -64,10 +64,9 @@ func (c *call) wait() error {
 	return c.err
 }
 
-// The deferred Recover runs before the deferred bump (defers run last
-// first), and the bump runs whether the call returned or panicked: part of
-// it may have reached the device.
-
+// WriteAt, Discard and Zero bump written whether the inner call returned
+// or panicked, since part of it may have reached the device. The deferred
+// Recover runs before the deferred bump (defers run last first).
 func (t *tracked) WriteAt(p []byte, off int64) (n int, err error) {
 	defer t.written.Add(1)
 	defer backing.Recover(&err, t.Name(), t.e.OnPanic)
