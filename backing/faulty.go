@@ -8,8 +8,9 @@ import (
 // a volatile write cache in front of the inner device: writes, discards and
 // zeroings are kept in memory (and read back from there) until Sync, which
 // applies them to the inner device in order and syncs it. Crash drops every
-// write no Sync has covered, as a power cut would. Errors can be injected
-// into writes and syncs to exercise EIO paths.
+// write no Sync has covered, as a power cut would. Errors, panics and gates
+// can be injected into each kind of call (FailWrites, FailSync, Inject) to
+// exercise the failure paths of everything above.
 //
 //	WriteAt(A) WriteAt(B)  Sync  WriteAt(C)  Crash
 //	cache:  A    A,B        -     C           -
@@ -23,7 +24,7 @@ type Faulty struct {
 	pending    []faultyOp // volatile, oldest first
 	failWrites error
 	failSync   error
-	beforeSync func()
+	hooks      map[Op]func() error
 	syncs      int
 	dropped    int
 }
@@ -57,12 +58,46 @@ func (f *Faulty) FailSync(err error) {
 	f.mu.Unlock()
 }
 
-// BeforeSync sets a function every Sync calls first, outside all locks (tests
-// use it to hold a sync in flight).
-func (f *Faulty) BeforeSync(fn func()) {
+// OpDSync names WriteAtDSync for Inject.
+const OpDSync Op = "dsync"
+
+// Inject makes every later call of op (OpWrite, OpDiscard, OpZero, OpSync or
+// OpDSync) run fn first, outside all locks, replacing what was injected for
+// op before; nil removes it. fn may block (a gate holding the call in
+// flight), panic (a device with a bug), or return an error, which fails the
+// call without it doing anything: a write or discard that never happened, a
+// sync that left the cache volatile, or, for OpDSync, a durable write whose
+// write-back failed, so that its data is lost. WriteAtDSync then goes on to
+// WriteAt and Sync, which run their own hooks.
+func (f *Faulty) Inject(op Op, fn func() error) {
 	f.mu.Lock()
-	f.beforeSync = fn
+	defer f.mu.Unlock()
+	if f.hooks == nil {
+		f.hooks = make(map[Op]func() error)
+	}
+	f.hooks[op] = fn
+}
+
+// BeforeSync sets a function every Sync calls first, outside all locks (tests
+// use it to hold a sync in flight). It is Inject(OpSync) for a function that
+// only waits; nil removes it.
+func (f *Faulty) BeforeSync(fn func()) {
+	if fn == nil {
+		f.Inject(OpSync, nil)
+		return
+	}
+	f.Inject(OpSync, func() error { fn(); return nil })
+}
+
+// hook runs what was injected for op.
+func (f *Faulty) hook(op Op) error {
+	f.mu.Lock()
+	fn := f.hooks[op]
 	f.mu.Unlock()
+	if fn == nil {
+		return nil
+	}
+	return fn()
 }
 
 // Syncs is how many times Sync was called, failed ones included.
@@ -106,6 +141,9 @@ func (f *Faulty) add(op faultyOp) error {
 }
 
 func (f *Faulty) WriteAt(p []byte, off int64) (int, error) {
+	if err := f.hook(OpWrite); err != nil {
+		return 0, err
+	}
 	if err := f.add(faultyOp{off: off, n: int64(len(p)), data: append([]byte(nil), p...)}); err != nil {
 		return 0, err
 	}
@@ -114,10 +152,16 @@ func (f *Faulty) WriteAt(p []byte, off int64) (int, error) {
 
 // Discard is cached like a write. Until a Sync the range reads as zeros.
 func (f *Faulty) Discard(off, n int64) error {
+	if err := f.hook(OpDiscard); err != nil {
+		return err
+	}
 	return f.add(faultyOp{off: off, n: n, discard: true})
 }
 
 func (f *Faulty) Zero(off, n int64, mayPunch bool) error {
+	if err := f.hook(OpZero); err != nil {
+		return err
+	}
 	return f.add(faultyOp{off: off, n: n, mayPunch: mayPunch})
 }
 
@@ -152,10 +196,9 @@ func (f *Faulty) ReadAt(p []byte, off int64) (int, error) {
 func (f *Faulty) Sync() error {
 	f.mu.Lock()
 	f.syncs++
-	before := f.beforeSync
 	f.mu.Unlock()
-	if before != nil {
-		before()
+	if err := f.hook(OpSync); err != nil {
+		return err
 	}
 	f.syncMu.Lock()
 	defer f.syncMu.Unlock()
@@ -201,13 +244,13 @@ func (f *Faulty) apply(op faultyOp) error {
 			err = f.Device.Zero(op.off, op.n, true)
 		}
 		if err == ErrNotSupported {
-			_, err = f.Device.WriteAt(make([]byte, op.n), op.off)
+			err = WriteZeros(f.Device, op.off, op.n)
 		}
 		return err
 	default:
 		err := f.Device.Zero(op.off, op.n, op.mayPunch)
 		if err == ErrNotSupported {
-			_, err = f.Device.WriteAt(make([]byte, op.n), op.off)
+			err = WriteZeros(f.Device, op.off, op.n)
 		}
 		return err
 	}

@@ -148,3 +148,40 @@ func TestFaultyWriteDuringSync(t *testing.T) {
 		t.Fatalf("after crash %v, want %v", got, want)
 	}
 }
+
+// What Inject installs runs instead of the call: an error fails it with
+// nothing cached; removing it lets the next call through.
+func TestFaultyInject(t *testing.T) {
+	for _, op := range []Op{OpWrite, OpDiscard, OpZero, OpSync, OpDSync} {
+		t.Run(string(op), func(t *testing.T) {
+			f := NewFaulty(NewMem("a", 1<<16))
+			call := map[Op]func() error{
+				OpWrite:   func() error { _, err := f.WriteAt([]byte{1}, 0); return err },
+				OpDiscard: func() error { return f.Discard(0, 4096) },
+				OpZero:    func() error { return f.Zero(0, 4096, false) },
+				OpSync:    f.Sync,
+				OpDSync:   func() error { _, err := f.WriteAtDSync([]byte{1}, 0); return err },
+			}[op]
+			f.Inject(op, func() error { return unix.ENOSPC })
+			if err := call(); !errors.Is(err, unix.ENOSPC) || f.Pending() != 0 {
+				t.Fatalf("injected call: %v with %d pending, want ENOSPC and nothing cached", err, f.Pending())
+			}
+			f.Inject(op, nil)
+			if err := call(); err != nil {
+				t.Fatalf("after removing the fault: %v", err)
+			}
+		})
+	}
+}
+
+// BeforeSync(nil) removes what BeforeSync installed.
+func TestFaultyBeforeSyncNil(t *testing.T) {
+	f := NewFaulty(NewMem("a", 4096))
+	var calls int
+	f.BeforeSync(func() { calls++ })
+	f.Sync()
+	f.BeforeSync(nil)
+	if err := f.Sync(); err != nil || calls != 1 {
+		t.Fatalf("Sync after BeforeSync(nil): %v, hook ran %d times, want once", err, calls)
+	}
+}

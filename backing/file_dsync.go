@@ -2,6 +2,7 @@ package backing
 
 import (
 	"errors"
+	"fmt"
 	"io"
 
 	"golang.org/x/sys/unix"
@@ -10,8 +11,15 @@ import (
 // WriteAtDSync writes p at off and returns once that data is durable, with
 // pwritev2(RWF_DSYNC): the kernel writes back and flushes just this range,
 // not every dirty page of the file as fdatasync would. It serves NBD FUA
-// writes (flush.Engine.WriteFUA). Kernels without pwritev2 flags fall back
-// to a write and an fdatasync.
+// writes (flush.Engine.WriteFUA). Kernels without pwritev2 flags get
+// ErrNotSupported and nothing written: the caller falls back to a write and
+// a sync it tracks, so that a failure of that sync is remembered like any
+// other (an untracked fdatasync here would consume the file's write-back
+// error unseen).
+//
+// An error other than ErrNotSupported may come from the write or from its
+// write-back: the caller must treat the range as possibly in the page cache
+// and not durable, and the file's write-back error as consumed.
 func (d *File) WriteAtDSync(p []byte, off int64) (int, error) {
 	n := 0
 	for n < len(p) {
@@ -20,10 +28,7 @@ func (d *File) WriteAtDSync(p []byte, off int64) (int, error) {
 		case err == unix.EINTR:
 			continue
 		case n == 0 && (errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOSYS)):
-			if n, err = d.WriteAt(p, off); err != nil {
-				return n, err
-			}
-			return n, d.Sync()
+			return 0, fmt.Errorf("pwritev2 RWF_DSYNC: %w", ErrNotSupported)
 		case err != nil:
 			return n, err
 		case m == 0:
@@ -36,8 +41,12 @@ func (d *File) WriteAtDSync(p []byte, off int64) (int, error) {
 
 // WriteAtDSync writes p at off straight through the cache: it is cached like
 // any write and then the whole cache is synced, so the write (and every
-// write before it) survives a Crash once this returns.
+// write before it) survives a Crash once this returns. What is injected for
+// OpDSync runs first (see Inject).
 func (f *Faulty) WriteAtDSync(p []byte, off int64) (int, error) {
+	if err := f.hook(OpDSync); err != nil {
+		return 0, err
+	}
 	n, err := f.WriteAt(p, off)
 	if err != nil {
 		return n, err

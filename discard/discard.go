@@ -37,6 +37,13 @@ type Engine struct {
 	// Observe, if set, is called after each device call with the device
 	// name, "discard" or "zero", and how long the call took.
 	Observe func(device, op string, d time.Duration)
+	// OnPanic, if set, is called with the value and stack of every panic
+	// the engine recovers from a device call. Those calls run on the
+	// caller's goroutine, on the batch timer's and on one goroutine per
+	// device; a panic on any of them fails only the requests waiting for
+	// that device call, with an error wrapping backing.ErrPanic, and the
+	// engine goes on.
+	OnPanic func(v any, stack []byte)
 
 	mu      sync.Mutex
 	batch   *batch // gathering trims; nil if none
@@ -114,7 +121,7 @@ func (e *Engine) Discard(exts []Extent) error {
 			sts[i] = e.device(p.dev)
 			sts[i].stats.received(p.in)
 		}
-		errs := e.launch(plan(OpDiscard, devs), sts)
+		errs := e.launch(plan(OpDiscard, devs, e), sts)
 		return joinErrs(sts, errs)
 	}
 
@@ -173,7 +180,7 @@ func (e *Engine) seal(b *batch) {
 		devs[i] = st.gathering
 		st.gathering = nil
 	}
-	wait := e.launch(plan(OpDiscard, devs), b.devs)
+	wait := e.launch(plan(OpDiscard, devs, e), b.devs)
 	errs := make(map[*device]error)
 	for _, st := range b.devs {
 		if err := wait(st); err != nil {
@@ -211,7 +218,10 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 	for i, st := range sts {
 		j := jobs[st]
 		run := func() {
-			j.err = e.discardCalls(st, p.Devices[i].Calls)
+			j.err = p.Devices[i].err
+			if j.err == nil {
+				j.err = e.discardCalls(st, p.Devices[i].Calls, p.Devices[i].Limits)
+			}
 			e.mu.Lock()
 			if len(p.Devices[i].Calls) > 0 {
 				st.inflight = removeInflight(st.inflight, j.fl)
@@ -237,25 +247,32 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 	}
 }
 
-// discardCalls issues calls on one device in order. A device that reports
+// discardCalls issues calls on one device in order, each split into pieces
+// of at most the device's MaxBytes as it goes. A device that reports
 // ErrNotSupported is remembered and skipped from then on; the first other
 // error stops the device's remaining calls.
-func (e *Engine) discardCalls(st *device, calls []backing.Range) error {
+func (e *Engine) discardCalls(st *device, calls []backing.Range, lim backing.Limits) error {
 	for i, r := range calls {
-		if st.noDiscard.Load() {
-			st.stats.unsupported.Add(uint64(len(calls) - i))
-			return nil
-		}
-		err := e.call(st, "discard", func() error { return st.dev.Discard(r.Off, r.Len) })
-		switch {
-		case errors.Is(err, backing.ErrNotSupported):
-			st.noDiscard.Store(true)
-			st.stats.unsupported.Add(1)
-		case err != nil:
-			st.stats.errors.Add(1)
-			return fmt.Errorf("discard %s %d+%d: %w", st.dev.Name(), r.Off, r.Len, err)
-		default:
-			st.stats.bytesOut.Add(uint64(r.Len))
+		for c := range pieces(r, lim) {
+			if st.noDiscard.Load() {
+				left := pieceCount(backing.Range{Off: c.Off, Len: r.End() - c.Off}, lim)
+				for _, rest := range calls[i+1:] {
+					left += pieceCount(rest, lim)
+				}
+				st.stats.unsupported.Add(uint64(left))
+				return nil
+			}
+			err := e.call(st, "discard", func() error { return st.dev.Discard(c.Off, c.Len) })
+			switch {
+			case errors.Is(err, backing.ErrNotSupported):
+				st.noDiscard.Store(true)
+				st.stats.unsupported.Add(1)
+			case err != nil:
+				st.stats.errors.Add(1)
+				return fmt.Errorf("discard %s %d+%d: %w", st.dev.Name(), c.Off, c.Len, err)
+			default:
+				st.stats.bytesOut.Add(uint64(c.Len))
+			}
 		}
 	}
 	return nil
@@ -268,14 +285,16 @@ func (e *Engine) discardEach(exts []Extent) error {
 		st := e.device(x.Dev)
 		e.mu.Unlock()
 		st.stats.received([]backing.Range{{Off: x.Off, Len: x.Len}})
-		if err := e.discardCalls(st, []backing.Range{{Off: x.Off, Len: x.Len}}); err != nil {
+		if err := e.discardCalls(st, []backing.Range{{Off: x.Off, Len: x.Len}}, backing.Limits{}); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// call runs one device call, counting and timing it.
+// call runs one device call, counting and timing it. A panic in it becomes
+// an error, so the bookkeeping around every device call (in-flight lists,
+// batch waiters) always completes.
 func (e *Engine) call(st *device, op string, fn func() error) error {
 	if op == "zero" {
 		st.stats.zeroCalls.Add(1)
@@ -283,7 +302,7 @@ func (e *Engine) call(st *device, op string, fn func() error) error {
 		st.stats.calls.Add(1)
 	}
 	t0 := time.Now()
-	err := fn()
+	err := backing.Guard(st.dev.Name(), e.OnPanic, fn)
 	if e.Observe != nil {
 		e.Observe(st.dev.Name(), op, time.Since(t0))
 	}
@@ -390,26 +409,15 @@ func (e *Engine) zero(st *device, r backing.Range, punch int, fast bool) error {
 		}
 	}
 	if errors.Is(err, backing.ErrNotSupported) && !fast {
-		err = writeZeros(st.dev, r)
+		err = backing.Guard(st.dev.Name(), e.OnPanic, func() error {
+			return backing.WriteZeros(st.dev, r.Off, r.Len)
+		})
 	}
 	if err != nil {
 		if !errors.Is(err, backing.ErrNotSupported) {
 			st.stats.errors.Add(1)
 		}
 		return fmt.Errorf("zero %s %d+%d: %w", st.dev.Name(), r.Off, r.Len, err)
-	}
-	return nil
-}
-
-func writeZeros(d backing.Device, r backing.Range) error {
-	const chunk = 1 << 20
-	buf := make([]byte, min(chunk, r.Len))
-	for off := r.Off; off < r.End(); {
-		n := min(int64(len(buf)), r.End()-off)
-		if _, err := d.WriteAt(buf[:n], off); err != nil {
-			return err
-		}
-		off += n
 	}
 	return nil
 }

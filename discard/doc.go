@@ -50,6 +50,17 @@
 // A device that answers backing.ErrNotSupported is remembered and skipped
 // from then on, and counted, not reported: a discard is only a hint.
 //
+// Failures. A device's error reaches exactly the trims and write-zeroes that
+// waited for that device's calls; other devices in the same batch are
+// unaffected. A panic in a device call, on whatever goroutine the engine
+// made it (the caller's, the batch timer's, one per device), becomes an
+// error wrapping backing.ErrPanic and is reported to Engine.OnPanic; the
+// in-flight bookkeeping is released as after any call.
+//
+// Memory. A plan holds one range per merged range: a range longer than the
+// device's MaxBytes is split into calls only as they are issued. Written
+// zeros come from one shared read-only buffer (backing.WriteZeros).
+//
 // WRITE_ZEROES shares the planning but not the cutting (every byte must read
 // back as zeros) and is not held back: Zero tries the device's native
 // zeroing (punching holes unless NO_HOLE) and falls back to writing zeros,

@@ -3,6 +3,7 @@ package discard
 import (
 	"cmp"
 	"fmt"
+	"iter"
 	"slices"
 	"strings"
 
@@ -49,7 +50,9 @@ type DevicePlan struct {
 	In      []backing.Range // ranges received, in arrival order
 	Claimed []backing.Range // ranges written since they arrived (merged), never discarded
 	Merged  []backing.Range // In sorted, merged, minus Claimed
-	Calls   []backing.Range // what reaches the device, ascending
+	Calls   []backing.Range // what reaches the device, ascending (see plan)
+
+	err error // the device's Limits panicked (see plan)
 }
 
 // MergedAway is how many received ranges disappeared into a neighbour.
@@ -57,11 +60,11 @@ func (d DevicePlan) MergedAway() int { return max(len(d.In)-len(Merge(d.In)), 0)
 
 // PlanDiscard plans a discard of exts: per device, sorted, merged, cut
 // inward to the device's granularity and split at its maximum size.
-func PlanDiscard(exts []Extent) Plan { return plan(OpDiscard, group(exts)) }
+func PlanDiscard(exts []Extent) Plan { return plan(OpDiscard, group(exts), nil) }
 
 // PlanZero plans zeroing exts: per device, sorted and merged, nothing cut,
 // because the whole range must read back as zeros.
-func PlanZero(exts []Extent) Plan { return plan(OpZero, group(exts)) }
+func PlanZero(exts []Extent) Plan { return plan(OpZero, group(exts), nil) }
 
 // pending is one device's ranges while a plan is being gathered.
 type pending struct {
@@ -87,19 +90,35 @@ func group(exts []Extent) []*pending {
 	return out
 }
 
-func plan(op Op, devs []*pending) Plan {
+// plan plans devs. For a plan the engine issues (issuer set), a discard's
+// Calls are cut but not split: the engine splits each one at
+// Limits.MaxBytes only as it issues it (see cut). And a device whose Limits
+// panics gets no calls but the panic's error in err, for the trims that
+// wait for it: the engine plans on the batch timer's goroutine too.
+func plan(op Op, devs []*pending, issuer *Engine) Plan {
 	p := Plan{Op: op}
 	for _, d := range devs {
 		dp := DevicePlan{
 			Dev:     d.dev,
-			Limits:  d.dev.Limits(),
 			In:      d.in,
 			Claimed: Merge(d.claimed),
 		}
-		dp.Merged = Subtract(Merge(d.in), dp.Claimed)
-		if op == OpDiscard {
-			dp.Calls = Align(dp.Merged, dp.Limits)
+		if issuer == nil {
+			dp.Limits = d.dev.Limits()
 		} else {
+			dp.err = backing.Guard(d.dev.Name(), issuer.OnPanic, func() error {
+				dp.Limits = d.dev.Limits()
+				return nil
+			})
+		}
+		dp.Merged = Subtract(Merge(d.in), dp.Claimed)
+		switch {
+		case dp.err != nil:
+		case op == OpDiscard && issuer != nil:
+			dp.Calls = cut(dp.Merged, dp.Limits)
+		case op == OpDiscard:
+			dp.Calls = Align(dp.Merged, dp.Limits)
+		default:
 			dp.Calls = dp.Merged
 		}
 		p.Devices = append(p.Devices, dp)
@@ -175,25 +194,68 @@ func Subtract(rs, cut []backing.Range) []backing.Range {
 //	merged   [--------------]   0+16
 //	aligned  [--][--][--][--]   0+4 4+4 8+4 12+4  (granularity 4, MaxBytes 4..7)
 func Align(rs []backing.Range, lim backing.Limits) []backing.Range {
-	g := max(lim.Granularity, 1)
-	step := int64(0)
-	if lim.MaxBytes > 0 {
-		step = max(lim.MaxBytes/g*g, g)
+	var out []backing.Range
+	for _, r := range cut(rs, lim) {
+		for p := range pieces(r, lim) {
+			out = append(out, p)
+		}
 	}
+	return out
+}
+
+// cut is Align without the splitting: each of rs cut inward to the
+// granularity, empty ones dropped. The engine plans with it and splits a
+// range into calls only as it issues them (pieces), so that a plan's memory
+// grows with the number of ranges it was given, never with their length
+// over the device's MaxBytes (a 4 GiB trim on a device taking 512 bytes per
+// discard would otherwise be 8 Mi calls, 128 MiB, held at once).
+func cut(rs []backing.Range, lim backing.Limits) []backing.Range {
+	g := max(lim.Granularity, 1)
 	var out []backing.Range
 	for _, r := range rs {
 		off := (r.Off + g - 1) / g * g
 		end := r.End() / g * g
-		for off < end {
-			n := end - off
-			if step > 0 {
-				n = min(n, step)
-			}
-			out = append(out, backing.Range{Off: off, Len: n})
-			off += n
+		if off < end {
+			out = append(out, backing.Range{Off: off, Len: end - off})
 		}
 	}
 	return out
+}
+
+// step is the largest discard call lim allows, a multiple of the
+// granularity; 0 means no limit.
+func step(lim backing.Limits) int64 {
+	if lim.MaxBytes <= 0 {
+		return 0
+	}
+	g := max(lim.Granularity, 1)
+	return max(lim.MaxBytes/g*g, g)
+}
+
+// pieces yields r, already cut, as the calls that discard it: pieces of
+// step(lim) bytes from its start, the last one shorter.
+func pieces(r backing.Range, lim backing.Limits) iter.Seq[backing.Range] {
+	return func(yield func(backing.Range) bool) {
+		s := step(lim)
+		for off := r.Off; off < r.End(); {
+			n := r.End() - off
+			if s > 0 {
+				n = min(n, s)
+			}
+			if !yield(backing.Range{Off: off, Len: n}) {
+				return
+			}
+			off += n
+		}
+	}
+}
+
+// pieceCount is how many calls pieces yields for r.
+func pieceCount(r backing.Range, lim backing.Limits) int64 {
+	if s := step(lim); s > 0 {
+		return (r.Len + s - 1) / s
+	}
+	return min(r.Len, 1)
 }
 
 // Bytes is the total length of rs.

@@ -54,7 +54,7 @@ func TestPlanGolden(t *testing.T) {
 			for _, p := range devs {
 				p.claimed = tc.claimed[p.dev]
 			}
-			p := plan(tc.op, devs)
+			p := plan(tc.op, devs, nil)
 			checkPlan(t, p)
 			golden.Check(t, "testdata/plan-"+tc.name+".golden", p.String())
 		})
@@ -175,5 +175,34 @@ func TestAlign(t *testing.T) {
 				t.Errorf("Align(%v, %+v) = %v, want %v", tc.rs, tc.lim, got, tc.out)
 			}
 		})
+	}
+}
+
+// The engine plans a long trim on a device with a small MaxBytes as one
+// range per merged range, and splits it into the device's calls only as it
+// issues them: the plan's size does not grow with the trim's length.
+func TestEngineSplitsAsItIssues(t *testing.T) {
+	const size, maxBytes = 64 << 20, 64 << 10
+	rec := backing.NewRecorder(limited{backing.NewMem("a", size), backing.Limits{Granularity: 4096, MaxBytes: maxBytes}})
+	devs := group([]Extent{{Dev: rec, Off: 0, Len: size}})
+	if p := plan(OpDiscard, devs, New()); len(p.Devices[0].Calls) != 1 {
+		t.Fatalf("engine plan holds %d calls, want the 1 range", len(p.Devices[0].Calls))
+	}
+	eng := New()
+	eng.Window = 0
+	if err := eng.Discard([]Extent{{Dev: rec, Off: 0, Len: size}}); err != nil {
+		t.Fatal(err)
+	}
+	calls := rec.Calls(backing.OpDiscard)
+	if len(calls) != size/maxBytes {
+		t.Fatalf("%d discard calls, want %d", len(calls), size/maxBytes)
+	}
+	for i, c := range calls {
+		if c.Off != int64(i)*maxBytes || c.Len != maxBytes {
+			t.Fatalf("call %d is %v, want %d+%d", i, c, int64(i)*maxBytes, maxBytes)
+		}
+	}
+	if st := eng.Stats().Devices[0]; st.Calls != size/maxBytes || st.BytesOut != size {
+		t.Fatalf("stats %+v", st)
 	}
 }

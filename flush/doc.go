@@ -79,7 +79,12 @@
 // may drop dirty pages after a failed fdatasync and report success on the
 // next one, so writes acknowledged before the failure may be gone without
 // any later sync noticing. Every later flush of that device therefore fails
-// too, as PostgreSQL does since "fsyncgate".
+// too, as PostgreSQL does since "fsyncgate". A failed durable write of
+// WriteFUA does the same (see failsDevice): it may have consumed the very
+// write-back error the next fdatasync would have reported. A panic in a
+// sync counts as a failed sync; a panic in any device call becomes an error
+// wrapping backing.ErrPanic and is reported to Engine.OnPanic, on whichever
+// goroutine it happened. docs/flush.md has the table of faults.
 //
 // # Plans and stats
 //

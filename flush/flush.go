@@ -17,6 +17,13 @@ type Engine struct {
 	// device's name and how long the sync took (the metrics package fills a
 	// histogram from it). Set it before the engine is used.
 	Observe func(device string, d time.Duration)
+	// OnPanic, if set, is called with the value and stack of every panic
+	// the engine recovers from a device call (a device's Sync, WriteAt,
+	// Discard, Zero or WriteAtDSync), on whichever goroutine it happened.
+	// The call then fails with an error wrapping backing.ErrPanic; a
+	// panicking sync or durable write fails the device like a failed sync.
+	// Set it before the engine is used.
+	OnPanic func(v any, stack []byte)
 
 	flushes atomic.Uint64
 
@@ -82,7 +89,7 @@ func (e *Engine) FlushPlan(devs []backing.Device) (Plan, error) {
 		t := e.lookup(d)
 		if t == nil {
 			plan.Entries[i] = Entry{Device: d.Name(), Action: SyncUntracked}
-			waits[i] = d.Sync
+			waits[i] = func() error { return e.syncUntracked(d) }
 			continue
 		}
 		plan.Entries[i], waits[i] = t.request(needs[i])
@@ -148,13 +155,19 @@ func (e *Engine) SyncEach(devs []backing.Device) error {
 		if t := e.lookup(d); t != nil {
 			err = t.syncNow()
 		} else {
-			err = d.Sync()
+			err = e.syncUntracked(d)
 		}
 		if err != nil {
 			return fmt.Errorf("flush %s: %w", d.Name(), err)
 		}
 	}
 	return nil
+}
+
+// syncUntracked syncs a device the engine knows nothing about: there is no
+// state to fail, but a panic in it must still not end the process.
+func (e *Engine) syncUntracked(d backing.Device) error {
+	return backing.Guard(d.Name(), e.OnPanic, d.Sync)
 }
 
 func unique(devs []backing.Device) []backing.Device {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/fault"
 	"github.com/nbdmapper/nbdmapper/internal/golden"
 	"golang.org/x/sys/unix"
 )
@@ -62,12 +62,11 @@ func devStats(e *Engine, name string) DeviceStats {
 }
 
 // waitRequested waits until n flushes have registered with the device (the
-// registration is what orders them; the wait itself has no time limit).
-func waitRequested(e *Engine, name string, n uint64) {
-	for devStats(e, name).Requested < n {
-		runtime.Gosched()
-		time.Sleep(time.Millisecond)
-	}
+// registration is what orders them), failing t if that takes longer than
+// deadline.
+func waitRequested(t testing.TB, e *Engine, name string, n uint64) {
+	t.Helper()
+	fault.WaitFor(t, fmt.Sprintf("%d flushes of %s", n, name), func() bool { return devStats(e, name).Requested >= n })
 }
 
 // TestPlanGolden drives scripted scenarios and records every plan, so that a
@@ -125,14 +124,14 @@ func TestPlanGolden(t *testing.T) {
 			<-entered
 			log("F2 arrives during S1, nothing new written", e.Plan(devs))
 			flushAsync(1)
-			waitRequested(e, "a.img", 2)
+			waitRequested(t, e, "a.img", 2)
 			a.write(t, 2, 3)
 			log("F3 arrives after a write during S1", e.Plan(devs))
 			flushAsync(2)
-			waitRequested(e, "a.img", 3)
+			waitRequested(t, e, "a.img", 3)
 			log("F4 arrives too", e.Plan(devs))
 			flushAsync(3)
-			waitRequested(e, "a.img", 4)
+			waitRequested(t, e, "a.img", 4)
 			release()
 			wg.Wait()
 			for i, p := range plans[:4] {
@@ -247,7 +246,7 @@ func TestConcurrentFlushesDuringSync(t *testing.T) {
 					}
 				}()
 			}
-			waitRequested(e, "a.img", 33)
+			waitRequested(t, e, "a.img", 33)
 			release()
 			if err := <-first; err != nil {
 				t.Fatal(err)

@@ -24,10 +24,17 @@ type DeviceStats struct {
 	// Coalesced is how many requests were served by a sync another flush
 	// started or queued.
 	Coalesced uint64
-	// SyncErrors is how many syncs failed.
+	// SyncErrors is how many syncs failed, counting durable writes that
+	// failed the device (see Failed).
 	SyncErrors uint64
 	// Dirty says writes have completed that no successful sync covers.
 	Dirty bool
+	// Failed says a sync of the device (or a durable write, or a panic in
+	// either) failed: every flush of it fails from now on with
+	// ErrSyncFailed, until the server restarts. FailedError is the first
+	// failure's error text.
+	Failed      bool
+	FailedError string
 	// SyncSeconds is the total time spent in syncs.
 	SyncSeconds float64
 }
@@ -40,6 +47,10 @@ func (e *Engine) Stats() Stats {
 	s := Stats{Flushes: e.flushes.Load(), Devices: make([]DeviceStats, 0, len(order))}
 	for _, t := range order {
 		t.mu.Lock()
+		var failed string
+		if t.failed != nil {
+			failed = t.failed.Error()
+		}
 		s.Devices = append(s.Devices, DeviceStats{
 			Name:         t.Name(),
 			Requested:    t.st.requested,
@@ -49,6 +60,8 @@ func (e *Engine) Stats() Stats {
 			SyncErrors:   t.st.syncErrors,
 			Dirty:        t.written.Load() > t.synced,
 			SyncSeconds:  t.st.syncTime.Seconds(),
+			Failed:       t.failed != nil,
+			FailedError:  failed,
 		})
 		t.mu.Unlock()
 	}

@@ -13,13 +13,19 @@ import (
 // ErrSyncFailed is returned by every flush of a device after one of its syncs
 // failed: writes acknowledged before that failure may be lost even if a later
 // sync succeeds (Linux may mark the pages clean after a failed fdatasync).
-// The error also wraps the original sync error (usually EIO).
+// The error also wraps the original sync error (usually EIO). A sync here is
+// any call that writes back and reports write-back errors: Sync from a
+// flush, from SyncEach or from a direct call on the tracked device, and the
+// durable write of WriteFUA (see failsDevice). A panic in one counts as a
+// failed sync.
 var ErrSyncFailed = errors.New("an earlier sync of the device failed; acknowledged writes may be lost")
 
 // tracked is a device wrapped by an Engine. It embeds the inner device and
 // overrides only what changes the device's contents (WriteAt, Discard, Zero,
-// which bump written after they complete) and Sync (which goes through the
-// engine so that it is skipped when clean and shared with flushes).
+// which bump written after they complete, even when they fail or panic) and
+// Sync (which goes through the engine so that it is skipped when clean and
+// shared with flushes). A panic in the inner device becomes an error
+// wrapping backing.ErrPanic.
 type tracked struct {
 	backing.Device
 	e *Engine
@@ -33,6 +39,8 @@ type tracked struct {
 	next    *call  // the sync queued behind running, shared by its waiters
 	failed  error  // first sync error; sticky
 	st      counters
+
+	noDSync atomic.Bool // WriteAtDSync returned ErrNotSupported once
 }
 
 var _ backing.Device = (*tracked)(nil)
@@ -56,22 +64,25 @@ func (c *call) wait() error {
 	return c.err
 }
 
-func (t *tracked) WriteAt(p []byte, off int64) (int, error) {
-	n, err := t.Device.WriteAt(p, off)
-	t.written.Add(1)
-	return n, err
+// WriteAt, Discard and Zero bump written whether the inner call returned
+// or panicked, since part of it may have reached the device. The deferred
+// Recover runs before the deferred bump (defers run last first).
+func (t *tracked) WriteAt(p []byte, off int64) (n int, err error) {
+	defer t.written.Add(1)
+	defer backing.Recover(&err, t.Name(), t.e.OnPanic)
+	return t.Device.WriteAt(p, off)
 }
 
-func (t *tracked) Discard(off, n int64) error {
-	err := t.Device.Discard(off, n)
-	t.written.Add(1)
-	return err
+func (t *tracked) Discard(off, n int64) (err error) {
+	defer t.written.Add(1)
+	defer backing.Recover(&err, t.Name(), t.e.OnPanic)
+	return t.Device.Discard(off, n)
 }
 
-func (t *tracked) Zero(off, n int64, mayPunch bool) error {
-	err := t.Device.Zero(off, n, mayPunch)
-	t.written.Add(1)
-	return err
+func (t *tracked) Zero(off, n int64, mayPunch bool) (err error) {
+	defer t.written.Add(1)
+	defer backing.Recover(&err, t.Name(), t.e.OnPanic)
+	return t.Device.Zero(off, n, mayPunch)
 }
 
 // Sync makes every write that completed before the call durable, through
@@ -146,16 +157,23 @@ func (t *tracked) stickyErr() error {
 	return fmt.Errorf("%w: %w", ErrSyncFailed, t.failed)
 }
 
-// run issues the sync c (which is t.running), records the result, starts
-// the queued sync if there is one, and wakes c's waiters.
-func (t *tracked) run(c *call) {
+// syncInner syncs the inner device, timing it; a panic becomes an error.
+func (t *tracked) syncInner() (time.Duration, error) {
 	begin := time.Now()
-	err := t.Device.Sync()
-	took := time.Since(begin)
+	err := backing.Guard(t.Name(), t.e.OnPanic, t.Device.Sync)
+	return time.Since(begin), err
+}
+
+// run issues the sync c (which is t.running), records the result, starts
+// the queued sync if there is one, and wakes c's waiters. It runs on the
+// flush that started c or, for a queued sync, on a goroutine of its own;
+// syncInner keeps a panicking device from skipping the bookkeeping below,
+// so waiters are always woken and the queue always advances.
+func (t *tracked) run(c *call) {
+	took, err := t.syncInner()
 
 	t.mu.Lock()
-	t.record(c.start, took, err)
-	c.err = err
+	c.err = t.record(c.start, took, err)
 	t.running = nil
 	n := t.next
 	t.next = nil
@@ -180,18 +198,37 @@ func (t *tracked) run(c *call) {
 	close(c.done)
 }
 
-// record accounts for a finished sync that started at start. t.mu must be held.
-func (t *tracked) record(start uint64, took time.Duration, err error) {
+// record accounts for a finished sync that started at start and returns
+// what its waiters get. t.mu must be held.
+func (t *tracked) record(start uint64, took time.Duration, err error) error {
 	t.st.syncs++
 	t.st.syncTime += took
 	if err != nil {
-		t.st.syncErrors++
-		if t.failed == nil {
-			t.failed = err
-		}
-		return
+		t.failLocked(err)
+		return err
+	}
+	if t.failed != nil {
+		// A durable write failed while this sync ran, and may have consumed
+		// the write-back error this sync should have reported.
+		return t.stickyErr()
 	}
 	t.synced = max(t.synced, start)
+	return nil
+}
+
+// fail records a failed sync that did not go through run or syncNow (a
+// durable write's): from now on every flush of the device fails.
+func (t *tracked) fail(err error) {
+	t.mu.Lock()
+	t.failLocked(err)
+	t.mu.Unlock()
+}
+
+func (t *tracked) failLocked(err error) {
+	t.st.syncErrors++
+	if t.failed == nil {
+		t.failed = err
+	}
 }
 
 // syncNow syncs unconditionally, outside group commit (SyncEach baseline).
@@ -205,11 +242,9 @@ func (t *tracked) syncNow() error {
 	}
 	t.mu.Unlock()
 	start := t.written.Load()
-	begin := time.Now()
-	err := t.Device.Sync()
-	took := time.Since(begin)
+	took, err := t.syncInner()
 	t.mu.Lock()
-	t.record(start, took, err)
+	err = t.record(start, took, err)
 	t.mu.Unlock()
 	if obs := t.e.Observe; obs != nil {
 		obs(t.Name(), took)

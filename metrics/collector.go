@@ -102,6 +102,9 @@ var (
 	descDeviceDirty = desc("nbdmapper_device_dirty",
 		"1 if this backing device has writes that are not yet synced, else 0.",
 		"device")
+	descDeviceFailed = desc("nbdmapper_device_failed",
+		"1 if a sync or durable write of this backing device failed, so that every later flush of it fails until restart, else 0.",
+		"device")
 
 	// Discard engine.
 	descDiscardRangesIn = desc("nbdmapper_device_discard_ranges_received_total",
@@ -214,7 +217,7 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 		descConnectionsRefused, descHandshakeTimeouts, descAcceptRetries,
 		descPanics, descMemoryInUse, descMemoryLimit, descMemoryWaits,
 		descFlushes, descDeviceFlushes, descDeviceSyncs, descDeviceSkipped,
-		descDeviceCoalesced, descDeviceSyncErrors, descDeviceDirty,
+		descDeviceCoalesced, descDeviceSyncErrors, descDeviceDirty, descDeviceFailed,
 		descDiscardRangesIn, descDiscardBytesIn, descDiscardCalls,
 		descDiscardBytesOut, descDiscardMerged, descDiscardUnsupported,
 		descDiscardErrors, descZeroRangesIn, descZeroCalls,
@@ -296,6 +299,7 @@ func (c *statsCollector) collectFlush(ch chan<- prometheus.Metric, s flush.Stats
 		counter(ch, descDeviceCoalesced, d.Coalesced, d.Name)
 		counter(ch, descDeviceSyncErrors, d.SyncErrors, d.Name)
 		gauge(ch, descDeviceDirty, b2f(d.Dirty), d.Name)
+		gauge(ch, descDeviceFailed, b2f(d.Failed), d.Name)
 	}
 	for _, d := range s.Devices {
 		if !seen[d.Name] {

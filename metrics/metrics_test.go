@@ -89,7 +89,7 @@ func TestZeroFromStart(t *testing.T) {
 		for _, name := range []string{
 			"nbdmapper_device_flushes_total", "nbdmapper_device_syncs_total",
 			"nbdmapper_device_syncs_skipped_total", "nbdmapper_device_flushes_coalesced_total",
-			"nbdmapper_device_sync_errors_total", "nbdmapper_device_dirty",
+			"nbdmapper_device_sync_errors_total", "nbdmapper_device_dirty", "nbdmapper_device_failed",
 			"nbdmapper_device_sync_duration_seconds",
 			"nbdmapper_device_discard_ranges_received_total", "nbdmapper_device_discard_received_bytes_total",
 			"nbdmapper_device_discard_calls_total", "nbdmapper_device_discard_bytes_total",

@@ -14,7 +14,9 @@ import (
 
 // statusRoutes serves what `dmsetup status` and `dmsetup table` print for
 // every device of a running server, as /status and /table on its HTTP
-// listener: `NAME: <start> <length> <target> <status or args>`.
+// listener: `NAME: <start> <length> <target> <status or args>`. /status
+// also has one line for each failed backing device of an export, after its
+// table's lines: `NAME: failed <device>: <first error>` (see failedLines).
 func statusRoutes(exports []*nbdtarget.Export) map[string]http.Handler {
 	page := func(lines func(*nbdtarget.Export) string) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -29,9 +31,31 @@ func statusRoutes(exports []*nbdtarget.Export) map[string]http.Handler {
 		})
 	}
 	return map[string]http.Handler{
-		"/status": page(func(x *nbdtarget.Export) string { return x.Table.Status() }),
+		"/status": page(func(x *nbdtarget.Export) string { return x.Table.Status() + failedLines(x) }),
 		"/table":  page(func(x *nbdtarget.Export) string { return x.Table.String() }),
 	}
+}
+
+// failedLines lists the backing devices of x's table that its flush engine
+// has failed, one `failed <device>: <error>` line each: every flush of x
+// fails until the server restarts (docs/flush.md, "Failing devices").
+func failedLines(x *nbdtarget.Export) string {
+	if x.Flush == nil {
+		return ""
+	}
+	failed := make(map[string]string)
+	for _, d := range x.Flush.Stats().Devices {
+		if d.Failed {
+			failed[d.Name] = d.FailedError
+		}
+	}
+	var b strings.Builder
+	for _, d := range x.Table.Devices() {
+		if msg, ok := failed[d.Name()]; ok {
+			fmt.Fprintf(&b, "failed %s: %s\n", d.Name(), strings.ReplaceAll(msg, "\n", " "))
+		}
+	}
+	return b.String()
 }
 
 // runStatus asks a running `nbdmapper serve` for its devices' status lines
