@@ -51,7 +51,8 @@ type Server struct {
 	HandshakeTimeout time.Duration
 
 	// OnPanic, if set, is called with every panic recovered from request
-	// code, after it has been logged and turned into an EIO reply.
+	// code (see Panicked), after it has been logged and turned into an EIO
+	// reply.
 	OnPanic func(v any, stack []byte)
 
 	// Observe, if set, is called once per completed request (DISC excepted)
@@ -277,6 +278,24 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		s.mu.Unlock()
 		<-done
 		return ctx.Err()
+	}
+}
+
+// Panicked logs a panic recovered from device or request code with its
+// stack, counts it in Stats.Panics and passes it to OnPanic. The request
+// path calls it; give it to the flush and discard engines as their OnPanic
+// so that panics on their goroutines are logged and counted the same way.
+//
+// It may be called before Serve (while tables load).
+func (s *Server) Panicked(v any, stack []byte) {
+	s.counters.panics.Add(1)
+	log := s.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	log.Error("panic in device or request code, answered with EIO", "panic", v, "stack", string(stack))
+	if h := s.OnPanic; h != nil {
+		h(v, stack)
 	}
 }
 

@@ -369,13 +369,8 @@ func (c *conn) run(j *job) {
 func (c *conn) protect(j *job, fn func() error) {
 	defer func() {
 		if p := recover(); p != nil {
-			stack := debug.Stack()
-			c.srv.counters.panics.Add(1)
-			c.log.Error("nbd request panicked", "op", Ops[opIndex(j.req.Type)], "panic", p, "stack", string(stack))
+			c.srv.Panicked(p, debug.Stack())
 			j.errno, j.msg, j.hasErrOff = EIO, errMessage(EIO), false
-			if h := c.srv.OnPanic; h != nil {
-				h(p, stack)
-			}
 		}
 	}()
 	if err := fn(); err != nil && j.errno == 0 {

@@ -136,8 +136,14 @@ func runServe(args []string) error {
 		specs = []string{spec}
 	}
 
+	// The server exists before the tables, so that a panic in device code
+	// while they load (a snapshot reading its COW store) is logged and
+	// counted like any other.
+	srv := &nbdtarget.Server{Logger: log}
+	lf.apply(srv)
 	flusher := flush.New()
 	discarder := discard.New()
+	flusher.OnPanic, discarder.OnPanic = srv.Panicked, srv.Panicked
 	df.apply(discarder)
 	pool := &backing.Pool{ReadOnly: sf.readOnly, Wrap: flusher.Track}
 	defer pool.Close()
@@ -175,8 +181,7 @@ func runServe(args []string) error {
 	if err != nil {
 		return err
 	}
-	srv := &nbdtarget.Server{Exports: exports, Logger: log}
-	lf.apply(srv)
+	srv.Exports = exports
 	stopMetrics, err := startMetrics(sf.metrics, log, srv, flusher, discarder, statusRoutes(exports))
 	if err != nil {
 		return err
