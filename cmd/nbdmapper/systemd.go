@@ -161,16 +161,25 @@ func (n *notifier) stopping() {
 	n.send(daemon.SdNotifyStopping + "\nSTATUS=shutting down")
 }
 
-// status is the STATUS= text: `2 exports (data, snap); 3 connections`.
+// statusNames is how many export names the STATUS= line lists.
+const statusNames = 8
+
+// status is the STATUS= text: `2 exports (data, snap); 3 connections`,
+// with at most statusNames names and `+N more` after them.
 func (n *notifier) status() string {
 	st := n.srv.Stats()
-	names := make([]string, len(st.Exports))
+	var names []string
 	var conns int64
-	for i, x := range st.Exports {
-		names[i] = x.Name
+	for _, x := range st.Exports {
+		if len(names) < statusNames {
+			names = append(names, x.Name)
+		}
 		conns += x.Connections
 	}
-	return fmt.Sprintf("%d exports (%s); %d connections", len(names), strings.Join(names, ", "), conns)
+	if more := len(st.Exports) - len(names); more > 0 {
+		names = append(names, fmt.Sprintf("+%d more", more))
+	}
+	return fmt.Sprintf("%d exports (%s); %d connections", len(st.Exports), strings.Join(names, ", "), conns)
 }
 
 func (n *notifier) send(state string) {

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
 
 // TestSocketActivation runs `serve --tables DIR` the way systemd would,
@@ -240,6 +242,26 @@ func (n *notifySocket) await(t *testing.T, want string, exited <-chan struct{}, 
 			if err != nil {
 				t.Fatal(err)
 			}
+		}
+	}
+}
+
+func TestNotifierStatus(t *testing.T) {
+	for _, tc := range []struct {
+		exports int
+		want    string
+	}{
+		{0, "0 exports (); 0 connections"},
+		{2, "2 exports (x0, x1); 0 connections"},
+		{8, "8 exports (x0, x1, x2, x3, x4, x5, x6, x7); 0 connections"},
+		{11, "11 exports (x0, x1, x2, x3, x4, x5, x6, x7, +3 more); 0 connections"},
+	} {
+		srv := &nbdtarget.Server{}
+		for i := range tc.exports {
+			srv.Exports = append(srv.Exports, &nbdtarget.Export{Name: fmt.Sprintf("x%d", i)})
+		}
+		if got := (&notifier{srv: srv}).status(); got != tc.want {
+			t.Errorf("%d exports: status %q, want %q", tc.exports, got, tc.want)
 		}
 	}
 }
