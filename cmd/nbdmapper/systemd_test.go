@@ -153,6 +153,7 @@ func TestSocketActivationConflict(t *testing.T) {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	sock := filepath.Join(dir, "nbd.sock")
 	cmd := exec.Command(activate, "-l", sock, bin, "serve", "--socket", filepath.Join(dir, "other.sock"), "--metrics=off")
+	cmd.Dir = dir // no tables: serve makes its demo in ./demo first
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
