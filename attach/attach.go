@@ -10,20 +10,25 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pojntfx/go-nbd/pkg/ioctl"
 	"golang.org/x/sys/unix"
 )
 
-// Kernel nbd ioctls, _IO(0xab, n) (include/uapi/linux/nbd.h).
+// Kernel nbd ioctls, _IO(0xab, n) (include/uapi/linux/nbd.h). go-nbd's
+// ioctl package takes them from the kernel headers through cgo, or from its
+// own table on amd64 without cgo; it has all but NBD_SET_FLAGS, which its
+// client never sends (_IO(0xab, 10) wherever _IOC_NONE is 0, as on x86 and
+// arm).
 const (
-	ioctlSetSock       = 0xab00 // arg: socket fd
-	ioctlSetBlksize    = 0xab01 // arg: bytes
-	ioctlDoIt          = 0xab03 // blocks until disconnect
-	ioctlClearSock     = 0xab04
-	ioctlClearQue      = 0xab05
-	ioctlSetSizeBlocks = 0xab07 // arg: size in blocks
-	ioctlDisconnect    = 0xab08
-	ioctlSetTimeout    = 0xab09 // arg: seconds
-	ioctlSetFlags      = 0xab0a // arg: transmission flags
+	ioctlSetSock       = ioctl.NEGOTIATION_IOCTL_SET_SOCK        // arg: socket fd
+	ioctlSetBlksize    = ioctl.NEGOTIATION_IOCTL_SET_BLOCKSIZE   // arg: bytes
+	ioctlDoIt          = ioctl.NEGOTIATION_IOCTL_DO_IT           // blocks until disconnect
+	ioctlClearSock     = ioctl.TRANSMISSION_IOCTL_CLEAR_SOCK     // no arg
+	ioctlClearQue      = ioctl.TRANSMISSION_IOCTL_CLEAR_QUE      // no arg
+	ioctlSetSizeBlocks = ioctl.NEGOTIATION_IOCTL_SET_SIZE_BLOCKS // arg: size in blocks
+	ioctlDisconnect    = ioctl.TRANSMISSION_IOCTL_DISCONNECT     // no arg
+	ioctlSetTimeout    = ioctl.NEGOTIATION_IOCTL_SET_TIMEOUT     // arg: seconds
+	ioctlSetFlags      = 0xab0a                                  // NBD_SET_FLAGS; arg: transmission flags
 )
 
 // Options say what to attach where.
@@ -87,17 +92,17 @@ func Attach(ctx context.Context, opts Options) error {
 	defer dev.Close()
 	fd := int(dev.Fd())
 	steps := []step{
-		{"NBD_SET_BLKSIZE", ioctlSetBlksize, uintptr(bs)},
-		{"NBD_SET_SIZE_BLOCKS", ioctlSetSizeBlocks, uintptr(blocks)},
+		{"NBD_SET_BLKSIZE", ioctlSetBlksize, int(bs)},
+		{"NBD_SET_SIZE_BLOCKS", ioctlSetSizeBlocks, int(blocks)},
 		{"NBD_CLEAR_SOCK", ioctlClearSock, 0},
-		{"NBD_SET_FLAGS", ioctlSetFlags, uintptr(x.Flags)},
+		{"NBD_SET_FLAGS", ioctlSetFlags, int(x.Flags)},
 	}
 	if opts.Timeout > 0 {
-		secs := max(uintptr(opts.Timeout/time.Second), 1)
+		secs := max(int(opts.Timeout/time.Second), 1)
 		steps = append(steps, step{"NBD_SET_TIMEOUT", ioctlSetTimeout, secs})
 	}
 	for _, f := range socks {
-		steps = append(steps, step{"NBD_SET_SOCK", ioctlSetSock, f.Fd()})
+		steps = append(steps, step{"NBD_SET_SOCK", ioctlSetSock, int(f.Fd())})
 	}
 
 	setup := make(chan error, 1)
@@ -119,12 +124,12 @@ func Attach(ctx context.Context, opts Options) error {
 	select {
 	case err = <-done:
 	case <-ctx.Done():
-		ioctl(fd, ioctlDisconnect, 0)
+		unix.IoctlRetInt(fd, ioctlDisconnect)
 		err = <-done
 	}
 	// as nbd-client does after NBD_DO_IT returns
-	ioctl(fd, ioctlClearQue, 0)
-	ioctl(fd, ioctlClearSock, 0)
+	unix.IoctlRetInt(fd, ioctlClearQue)
+	unix.IoctlRetInt(fd, ioctlClearSock)
 	if err != nil {
 		return fmt.Errorf("%s: %w", opts.Device, err)
 	}
@@ -135,7 +140,7 @@ func Attach(ctx context.Context, opts Options) error {
 type step struct {
 	name string
 	req  uint
-	arg  uintptr
+	arg  int
 }
 
 // run configures the device and then serves it with NBD_DO_IT, all on one
@@ -162,15 +167,15 @@ func run(fd int, steps []step, setup chan<- error) error {
 		return err
 	}
 	for _, s := range steps {
-		if err := ioctl(fd, s.req, s.arg); err != nil {
-			ioctl(fd, ioctlClearSock, 0)
+		if err := unix.IoctlSetInt(fd, s.req, s.arg); err != nil {
+			unix.IoctlRetInt(fd, ioctlClearSock)
 			err = fmt.Errorf("%s: %w", s.name, err)
 			setup <- err
 			return err
 		}
 	}
 	setup <- nil
-	if err := ioctl(fd, ioctlDoIt, 0); err != nil {
+	if _, err := unix.IoctlRetInt(fd, ioctlDoIt); err != nil {
 		return fmt.Errorf("NBD_DO_IT: %w", err)
 	}
 	return nil
@@ -188,10 +193,10 @@ func Detach(device string) error {
 	if !Running(device) {
 		return fmt.Errorf("%s: %w", device, ErrNotAttached)
 	}
-	if err := ioctl(fd, ioctlDisconnect, 0); err != nil {
+	if _, err := unix.IoctlRetInt(fd, ioctlDisconnect); err != nil {
 		return fmt.Errorf("%s: NBD_DISCONNECT: %w", device, err)
 	}
-	if err := ioctl(fd, ioctlClearSock, 0); err != nil {
+	if _, err := unix.IoctlRetInt(fd, ioctlClearSock); err != nil {
 		return fmt.Errorf("%s: NBD_CLEAR_SOCK: %w", device, err)
 	}
 	return nil
@@ -272,14 +277,6 @@ func dial(opts Options) (*os.File, Export, error) {
 		return nil, Export{}, err
 	}
 	return f, x, nil
-}
-
-func ioctl(fd int, req uint, arg uintptr) error {
-	_, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), uintptr(req), arg)
-	if e != 0 {
-		return e
-	}
-	return nil
 }
 
 // ParseAddr splits a --socket/--connect pair into a network and address.

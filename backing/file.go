@@ -66,8 +66,8 @@ func newFile(f *os.File, name string) (*File, error) {
 	case unix.S_IFBLK:
 		d.block = true
 		d.id = ID{Block: true, Dev: st.Rdev}
-		var size uint64
-		if err := ioctlPtr(fd, unix.BLKGETSIZE64, unsafe.Pointer(&size)); err != nil {
+		size, err := unix.IoctlGetUint64(fd, unix.BLKGETSIZE64)
+		if err != nil {
 			return nil, fmt.Errorf("%s: BLKGETSIZE64: %w", name, err)
 		}
 		d.size = int64(size)
@@ -174,6 +174,8 @@ func (d *File) Holes(off, n int64) ([]Range, error) {
 	return holes, nil
 }
 
+// ioctlPtr passes a pointer argument; x/sys/unix has typed helpers for
+// integers (IoctlGetUint64 above) but none for BLKDISCARD's {start, len}.
 func ioctlPtr(fd int, req uint, arg unsafe.Pointer) error {
 	_, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), uintptr(req), uintptr(arg))
 	if errno != 0 {

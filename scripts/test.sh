@@ -20,19 +20,32 @@ packages=(
 	dmsetup
 	util-linux      # blkdiscard
 	cpio
+	kmod            # depmod, for vmtest's initramfs
+	systemd         # systemd-socket-activate, systemd-analyze (no systemd PID 1 needed)
 )
+sudo=""
+[ "$(id -u)" = 0 ] || sudo=sudo
 missing=()
 for p in "${packages[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
-	sudo=""
-	[ "$(id -u)" = 0 ] || sudo=sudo
 	echo "scripts/test.sh: installing ${missing[*]}"
 	$sudo apt-get update -q
 	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+# vmtest downloads (never installs) the guest kernel package, so apt must
+# know it; updating here keeps apt-get out of the tests.
+if ! apt-cache show linux-image-amd64 >/dev/null 2>&1; then
+	$sudo apt-get update -q
+fi
 
 go mod download
+# go.mod and go.sum must be as `go mod tidy` leaves them.
+if ! diff=$(go mod tidy -diff); then
+	echo "scripts/test.sh: go mod tidy would change go.mod/go.sum:" >&2
+	echo "$diff" >&2
+	exit 1
+fi
 go vet ./...
 go test -race -count=1 -timeout 60m ./...

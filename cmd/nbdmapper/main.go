@@ -17,7 +17,6 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
-	"strings"
 	"syscall"
 	"time"
 
@@ -31,7 +30,7 @@ import (
 const usage = `usage:
   nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D]
-                  [--description NAME=TEXT] [NAME=TABLE_FILE ...]
+                  [--description NAME=TEXT] [--tables DIR] [NAME=TABLE_FILE ...]
   nbdmapper check TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
@@ -97,6 +96,7 @@ type serveFlags struct {
 	flushBaseline  string
 	cpuProfile     string
 	metrics        string
+	tables         string
 }
 
 func runServe(args []string) error {
@@ -108,6 +108,7 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.metrics, "metrics", defaultMetricsAddr, "serve Prometheus /metrics on HOST:PORT ('off' disables)")
 	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
 	fs.StringVar(&sf.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file")
+	fs.StringVar(&sf.tables, "tables", "", "serve every NAME.table in DIR as export NAME")
 	var df discardFlags
 	df.register(fs)
 	var lf limitFlags
@@ -127,7 +128,7 @@ func runServe(args []string) error {
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 
 	specs := fs.Args()
-	demo := len(specs) == 0
+	demo := len(specs) == 0 && sf.tables == ""
 	if demo {
 		spec, err := makeDemo("demo")
 		if err != nil {
@@ -148,13 +149,9 @@ func runServe(args []string) error {
 	pool := &backing.Pool{ReadOnly: sf.readOnly, Wrap: flusher.Track}
 	defer pool.Close()
 
-	defs := make([]table.Def, len(specs))
-	for i, spec := range specs {
-		name, file, ok := strings.Cut(spec, "=")
-		if !ok || name == "" || file == "" {
-			return fmt.Errorf("export %q: want NAME=TABLE_FILE", spec)
-		}
-		defs[i] = table.Def{Name: name, File: file}
+	defs, err := exportDefs(specs, sf.tables)
+	if err != nil {
+		return err
 	}
 	tables, err := table.ParseSet(defs, pool)
 	if err != nil {
@@ -177,12 +174,12 @@ func runServe(args []string) error {
 
 	limitMemory(log, int64(lf.memory))
 
-	listeners, err := listen(sf)
+	listeners, metricsListener, err := serveListeners(sf)
 	if err != nil {
 		return err
 	}
 	srv.Exports = exports
-	stopMetrics, err := startMetrics(sf.metrics, log, srv, flusher, discarder, statusRoutes(exports))
+	stopMetrics, err := startMetrics(sf.metrics, metricsListener, log, srv, flusher, discarder, statusRoutes(exports))
 	if err != nil {
 		return err
 	}
@@ -195,6 +192,7 @@ func runServe(args []string) error {
 	if demo {
 		printDemoHelp(os.Stdout, listeners[0].Addr(), exports[0], defs[0].File)
 	}
+	systemd := notifyReady(log, srv)
 
 	// A listener that fails stops the server with its reason and a
 	// non-zero exit, after the same orderly shutdown as a signal.
@@ -205,6 +203,7 @@ func runServe(args []string) error {
 	case failed = <-errc:
 		log.Error("listener failed: shutting down", "err", failed)
 	}
+	systemd.stopping()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := srv.Shutdown(ctx); err != nil {

@@ -21,16 +21,18 @@ const defaultMetricsAddr = "127.0.0.1:9810"
 // http://addr/metrics, and routes beside it, until stop is called. It sets their Observe hooks, so
 // call it after building them and before srv.Serve. addr "" or "off"
 // disables metrics; stop is then a no-op. The listener is opened here, so a
-// busy port is an error at startup rather than a log line later.
-func startMetrics(addr string, log *slog.Logger, srv *nbdtarget.Server, f *flush.Engine, d *discard.Engine, routes map[string]http.Handler) (stop func(), err error) {
-	if addr == "" || addr == "off" {
+// busy port is an error at startup rather than a log line later. A
+// listener l passed by systemd, if not nil, is served instead of addr.
+func startMetrics(addr string, l net.Listener, log *slog.Logger, srv *nbdtarget.Server, f *flush.Engine, d *discard.Engine, routes map[string]http.Handler) (stop func(), err error) {
+	if l == nil && (addr == "" || addr == "off") {
 		return func() {}, nil
 	}
 	m := metrics.New(metrics.Config{Server: srv, Flush: f, Discard: d})
 	m.Routes = routes
-	l, err := net.Listen("tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("--metrics: %w", err)
+	if l == nil {
+		if l, err = net.Listen("tcp", addr); err != nil {
+			return nil, fmt.Errorf("--metrics: %w", err)
+		}
 	}
 	log.Info("metrics", "url", "http://"+l.Addr().String()+"/metrics")
 	ctx, cancel := context.WithCancel(context.Background())

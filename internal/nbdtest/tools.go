@@ -52,6 +52,9 @@ var debianPackage = map[string]string{
 	"promtool": "prometheus",
 	"qemu-img": "qemu-utils",
 	"qemu-io":  "qemu-utils",
+
+	"systemd-analyze":         "systemd",
+	"systemd-socket-activate": "systemd",
 }
 
 // Nbdsh returns a command running libnbd's nbdsh with args (for example
