@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/rand"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -11,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -360,4 +362,56 @@ func TestHostileLoad(t *testing.T) {
 		t.Fatalf("peak RSS grew by %d MiB under load, more than the %d MiB budget + %d MiB", (rss-startRSS)>>20, budget>>20, rssOverhead>>20)
 	}
 	s.Stop(t)
+}
+
+// TestFailedListenerExitsNonZero passes serve a listening socket, as
+// systemd does, and then shuts that socket down under it: accept fails for
+// good, and serve stops with the reason and a non-zero exit status instead
+// of the 0 of an orderly stop.
+func TestFailedListenerExitsNonZero(t *testing.T) {
+	dir := t.TempDir()
+	sparse.Create(t, filepath.Join(dir, "a.img"), 1<<20)
+	writeFile(t, filepath.Join(dir, "t.table"), "0 2048 linear a.img 0\n")
+	sock := filepath.Join(dir, "nbd.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	lf, err := l.(*net.UnixListener).File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lf.Close()
+	// LISTEN_PID must be serve's own pid: the shell's, which exec keeps.
+	cmd := exec.Command("sh", "-c", `LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=nbd exec "$0" serve --metrics off t=t.table`, bin)
+	cmd.Dir = dir
+	cmd.ExtraFiles = []*os.File{lf} // fd 3, where LISTEN_FDS starts
+	var stderr nbdtest.SyncBuffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { cmd.Process.Kill() })
+	out, err := exec.Command(nbdtest.Tool(t, "nbdinfo"), "--size", nbdtest.URI(sock, "t")).CombinedOutput()
+	if err != nil || strings.TrimSpace(string(out)) != "1048576" {
+		t.Fatalf("nbdinfo through the passed socket: %v %s\n%s", err, out, stderr.String())
+	}
+	if err := syscall.Shutdown(int(lf.Fd()), syscall.SHUT_RDWR); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-exited:
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+			t.Fatalf("serve exited with %v, want status 1\n%s", err, stderr.String())
+		}
+		if !strings.Contains(stderr.String(), "listener failed") {
+			t.Fatalf("no reason logged:\n%s", stderr.String())
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatalf("serve kept running on a failed listener\n%s", stderr.String())
+	}
 }
