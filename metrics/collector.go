@@ -70,6 +70,8 @@ var (
 		"Connections closed at once because --max-connections were open.")
 	descHandshakeTimeouts = desc("nbdmapper_handshake_timeouts_total",
 		"Connections closed for not finishing the NBD handshake within --handshake-timeout.")
+	descReplyTimeouts = desc("nbdmapper_reply_timeouts_total",
+		"Connections closed because the client took none of its replies within --reply-timeout.")
 	descAcceptRetries = desc("nbdmapper_accept_retries_total",
 		"Accept errors (out of file descriptors or memory, aborted connections) backed off and retried.")
 	descPanics = desc("nbdmapper_panics_total",
@@ -214,7 +216,7 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		descRequests, descRequestBytes, descRequestErrors, descInFlight,
 		descConnections, descConnectionsTotal, descConnectionsOpen,
-		descConnectionsRefused, descHandshakeTimeouts, descAcceptRetries,
+		descConnectionsRefused, descHandshakeTimeouts, descReplyTimeouts, descAcceptRetries,
 		descPanics, descMemoryInUse, descMemoryLimit, descMemoryWaits,
 		descFlushes, descDeviceFlushes, descDeviceSyncs, descDeviceSkipped,
 		descDeviceCoalesced, descDeviceSyncErrors, descDeviceDirty, descDeviceFailed,
@@ -257,6 +259,7 @@ func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.
 	gauge(ch, descConnectionsOpen, float64(s.Connections))
 	counter(ch, descConnectionsRefused, uint64(s.Refused))
 	counter(ch, descHandshakeTimeouts, uint64(s.HandshakeTimeouts))
+	counter(ch, descReplyTimeouts, uint64(s.ReplyTimeouts))
 	counter(ch, descAcceptRetries, uint64(s.AcceptRetries))
 	counter(ch, descPanics, uint64(s.Panics))
 	gauge(ch, descMemoryInUse, float64(s.MemoryInUse))

@@ -288,3 +288,29 @@ func TestPanicBecomesEIO(t *testing.T) {
 		t.Fatalf("OnPanic saw %v, Stats.Panics %d; want 2 device bugs", panics, srv.Stats().Panics)
 	}
 }
+
+// TestClientThatStopsReadingIsClosed fills a connection with reads whose
+// replies the client never takes: after ReplyTimeout the server closes it,
+// and the memory its requests held comes back.
+func TestClientThatStopsReadingIsClosed(t *testing.T) {
+	f := newTFix(t, &Server{ReplyTimeout: 100 * time.Millisecond})
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	if uc, ok := c.nc.(*net.UnixConn); ok {
+		uc.SetReadBuffer(4096) // so the replies back up quickly
+	}
+	for h := range 64 {
+		c.request(cmdRead, 0, uint64(h), 0, 64*kb, nil)
+	}
+	waitFor(t, "the stuck connection to be closed", func() bool {
+		st := f.srv.Stats()
+		return st.ReplyTimeouts == 1 && st.Connections == 0
+	})
+	waitFor(t, "its memory to come back", func() bool { return f.srv.Stats().MemoryInUse == 0 })
+	d := dialRaw(t, f.sock)
+	d.connect("t", false, false)
+	d.request(cmdRead, 0, 1, 0, 512, nil)
+	if h, errno, _ := d.simple(512); h != 1 || errno != 0 {
+		t.Fatalf("read on a new connection: handle %d errno %d", h, errno)
+	}
+}

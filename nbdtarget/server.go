@@ -50,6 +50,11 @@ type Server struct {
 	// handshake in time (default DefaultHandshakeTimeout).
 	HandshakeTimeout time.Duration
 
+	// ReplyTimeout closes a connection whose client takes none of its
+	// replies for this long (default DefaultReplyTimeout), which would
+	// otherwise pin the memory of its requests.
+	ReplyTimeout time.Duration
+
 	// OnPanic, if set, is called with every panic recovered from request
 	// code (see Panicked), after it has been logged and turned into an EIO
 	// reply.
@@ -93,6 +98,7 @@ const (
 	DefaultMemory           = 256 << 20
 	DefaultMaxConnections   = 256
 	DefaultHandshakeTimeout = 30 * time.Second
+	DefaultReplyTimeout     = 60 * time.Second
 )
 
 func (s *Server) memory() int64 {
@@ -107,6 +113,13 @@ func (s *Server) maxConnections() int {
 		return s.MaxConnections
 	}
 	return DefaultMaxConnections
+}
+
+func (s *Server) replyTimeout() time.Duration {
+	if s.ReplyTimeout > 0 {
+		return s.ReplyTimeout
+	}
+	return DefaultReplyTimeout
 }
 
 func (s *Server) handshakeTimeout() time.Duration {
@@ -307,6 +320,7 @@ type Stats struct {
 	Connections       int64 // connections open now, handshakes included
 	Refused           int64 // connections closed at once: MaxConnections reached
 	HandshakeTimeouts int64 // connections closed for not finishing the handshake
+	ReplyTimeouts     int64 // connections closed for not taking their replies
 	AcceptRetries     int64 // Accept errors (EMFILE, ...) backed off and retried
 	Panics            int64 // panics recovered and turned into EIO
 	MemoryInUse       int64 // bytes of Memory held by requests now
@@ -315,8 +329,9 @@ type Stats struct {
 }
 
 type serverCounters struct {
-	refused, handshakeTimeouts, acceptRetries, panics atomic.Int64
-	memInUse, memWaits                                atomic.Int64
+	refused, handshakeTimeouts, replyTimeouts atomic.Int64
+	acceptRetries, panics                     atomic.Int64
+	memInUse, memWaits                        atomic.Int64
 }
 
 // ExportStats counts one export's traffic since the server started.
@@ -392,6 +407,7 @@ func (s *Server) Stats() Stats {
 		Connections:       conns,
 		Refused:           s.counters.refused.Load(),
 		HandshakeTimeouts: s.counters.handshakeTimeouts.Load(),
+		ReplyTimeouts:     s.counters.replyTimeouts.Load(),
 		AcceptRetries:     s.counters.acceptRetries.Load(),
 		Panics:            s.counters.panics.Load(),
 		MemoryInUse:       s.counters.memInUse.Load(),

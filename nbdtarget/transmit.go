@@ -66,7 +66,8 @@ type conn struct {
 	pending atomic.Int32 // replies waiting for or holding wmu
 	werr    error        // first write error; later replies are dropped
 
-	stopped atomic.Bool
+	stopped       atomic.Bool
+	replyTimedOut atomic.Bool
 }
 
 func (c *conn) serve() {
@@ -127,11 +128,8 @@ func (c *conn) transmit() {
 	c.pool.Add(1)
 	c.work()
 	c.pool.Wait()
-	c.wmu.Lock()
-	if c.werr == nil {
-		c.werr = c.bw.Flush()
-	}
-	c.wmu.Unlock()
+	c.lockSend()
+	c.unlockSend()
 }
 
 // work is one goroutine of the pool: take the token, read a request, run it.
@@ -612,13 +610,13 @@ func (c *conn) readStream(j *job) {
 	} else {
 		j.out = appendSimpleReply(j.out[:0], r.Handle, 0)
 	}
-	c.pending.Add(1)
-	c.wmu.Lock()
+	c.lockSend()
 	defer c.unlockSend()
 	if c.werr == nil {
 		_, c.werr = c.bw.Write(j.out)
 	}
 	for c.werr == nil {
+		c.armWrite()
 		_, c.werr = c.bw.Write(p)
 		off += int64(len(p))
 		if c.werr != nil || off == end {
@@ -638,8 +636,7 @@ var errBrokenReply = errors.New("reply broken off")
 // flushes, so a burst of completions goes out in few writes while a lone
 // reply is never held back.
 func (c *conn) send(hdr, data []byte) {
-	c.pending.Add(1)
-	c.wmu.Lock()
+	c.lockSend()
 	defer c.unlockSend()
 	if c.werr == nil {
 		_, c.werr = c.bw.Write(hdr)
@@ -647,6 +644,21 @@ func (c *conn) send(hdr, data []byte) {
 	if c.werr == nil && len(data) > 0 {
 		_, c.werr = c.bw.Write(data)
 	}
+}
+
+// lockSend starts a hold of the write lock, with the write deadline armed.
+func (c *conn) lockSend() {
+	c.pending.Add(1)
+	c.wmu.Lock()
+	c.armWrite()
+}
+
+// armWrite gives the writes that follow ReplyTimeout to complete. A client
+// that stops taking its replies is closed when it runs out, so that the
+// memory its requests hold comes back instead of staying pinned behind
+// replies it will never read.
+func (c *conn) armWrite() {
+	c.nc.SetWriteDeadline(time.Now().Add(c.srv.replyTimeout()))
 }
 
 // unlockSend ends a hold of the write lock: the last reply out flushes,
@@ -661,6 +673,10 @@ func (c *conn) unlockSend() {
 		// The client is gone or stuck, or a reply broke off: wake the
 		// reader so the connection winds down; the other connections are
 		// not affected.
+		if errors.Is(failed, os.ErrDeadlineExceeded) && c.replyTimedOut.CompareAndSwap(false, true) {
+			c.srv.counters.replyTimeouts.Add(1)
+			c.log.Warn("nbd client stopped reading its replies: closing the connection", "timeout", c.srv.replyTimeout())
+		}
 		c.nc.Close()
 	}
 }

@@ -18,6 +18,7 @@ type limitFlags struct {
 	memory           byteSize
 	maxConnections   int
 	handshakeTimeout time.Duration
+	replyTimeout     time.Duration
 	descriptions     descriptions
 }
 
@@ -26,6 +27,7 @@ func (f *limitFlags) register(fs *flag.FlagSet) {
 	fs.Var(&f.memory, "memory", "memory budget for all requests together: buffers and working sets (bytes, or with K, M, G suffix)")
 	fs.IntVar(&f.maxConnections, "max-connections", nbdtarget.DefaultMaxConnections, "connections open at once; more are closed at once and counted")
 	fs.DurationVar(&f.handshakeTimeout, "handshake-timeout", nbdtarget.DefaultHandshakeTimeout, "close clients that have not finished the NBD handshake by then")
+	fs.DurationVar(&f.replyTimeout, "reply-timeout", nbdtarget.DefaultReplyTimeout, "close clients that take none of their replies for this long")
 	fs.Var(&f.descriptions, "description", "NAME=TEXT: the description clients see for export NAME (repeatable; default none)")
 }
 
@@ -33,6 +35,7 @@ func (f *limitFlags) apply(s *nbdtarget.Server) {
 	s.Memory = int64(f.memory)
 	s.MaxConnections = f.maxConnections
 	s.HandshakeTimeout = f.handshakeTimeout
+	s.ReplyTimeout = f.replyTimeout
 }
 
 // byteSize is a flag value in bytes, written plainly or with a binary

@@ -29,7 +29,7 @@ import (
 
 const usage = `usage:
   nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off]
-                  [--memory BYTES] [--max-connections N] [--handshake-timeout D]
+                  [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
                   [--description NAME=TEXT] [--tables DIR] [NAME=TABLE_FILE ...]
   nbdmapper check TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
