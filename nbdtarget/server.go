@@ -30,14 +30,15 @@ type Server struct {
 
 	// MaxInFlight bounds the requests one connection has in flight
 	// (default 64). MaxInFlightBytes bounds the memory they hold (default
-	// 64 MiB, at least MaxPayload). When either is reached the server stops
+	// 64 MiB, at least the largest request's cost). When either is reached the server stops
 	// reading from that connection until a request completes.
 	MaxInFlight      int
 	MaxInFlightBytes int64
 
 	// Memory bounds the memory every request of every connection holds
 	// together: payload and read buffers and each request's working set
-	// (see cost). Default DefaultMemory; at least MaxPayload. A request
+	// (see cost). Default DefaultMemory; at least the largest request's
+	// cost, a little over MaxPayload. A request
 	// that does not fit waits, in arrival order; it is not failed.
 	Memory int64
 
@@ -103,7 +104,7 @@ const (
 
 func (s *Server) memory() int64 {
 	if s.Memory > 0 {
-		return max(s.Memory, MaxPayload)
+		return max(s.Memory, maxCost)
 	}
 	return DefaultMemory
 }
@@ -138,7 +139,7 @@ func (s *Server) maxInFlight() int {
 
 func (s *Server) maxInFlightBytes() int64 {
 	if s.MaxInFlightBytes > 0 {
-		return max(s.MaxInFlightBytes, MaxPayload)
+		return max(s.MaxInFlightBytes, maxCost)
 	}
 	return 64 << 20
 }

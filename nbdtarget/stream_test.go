@@ -61,6 +61,15 @@ func TestLongReadWrite(t *testing.T) {
 		t.Fatal("long write: device bytes differ")
 	}
 
+	t.Run("a MaxPayload read fits the smallest budget", func(t *testing.T) {
+		c.t = t
+		c.nc.SetReadDeadline(time.Now().Add(60 * time.Second)) // a hang fails
+		defer c.nc.SetReadDeadline(time.Time{})
+		c.request(cmdRead, cfDF, 10, off, MaxPayload, nil)
+		if ch := c.chunk(); ch.handle != 10 || ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], data[:MaxPayload]) {
+			t.Fatalf("chunk handle %d type %d", ch.handle, ch.typ)
+		}
+	})
 	t.Run("structured: one OFFSET_DATA chunk per piece", func(t *testing.T) {
 		c.t = t
 		c.request(cmdRead, 0, 2, off, n, nil)
