@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"runtime/debug"
@@ -14,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/prometheus/exporter-toolkit/web"
 
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
@@ -41,6 +43,14 @@ type Metrics struct {
 	// Routes are further handlers Serve mounts beside /metrics, by path
 	// (the serve command's /status and /table). Set before Serve.
 	Routes map[string]http.Handler
+
+	// WebConfigFile, if set, is a Prometheus web configuration file (TLS,
+	// client certificates, basic auth), as node_exporter's
+	// --web.config.file takes it; Serve applies it through the Prometheus
+	// exporter-toolkit, which re-reads it for every connection and
+	// request. Logger receives that toolkit's messages. Set before Serve.
+	WebConfigFile string
+	Logger        *slog.Logger
 
 	reg *prometheus.Registry
 
@@ -275,7 +285,11 @@ func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 		defer cancel()
 		srv.Shutdown(sctx)
 	})
-	err := srv.Serve(l)
+	logger := m.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	err := web.Serve(l, srv, &web.FlagConfig{WebConfigFile: &m.WebConfigFile}, logger)
 	if !stop() {
 		<-shut // ctx ended: wait until Shutdown has drained the connections
 		return nil
@@ -284,4 +298,14 @@ func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 		return nil
 	}
 	return err
+}
+
+// ValidateWebConfig checks a web configuration file as Serve will read it,
+// so that a bad file is an error at startup rather than a log line at the
+// first scrape.
+func ValidateWebConfig(path string) error {
+	if err := web.Validate(path); err != nil {
+		return fmt.Errorf("web config %s: %w", path, err)
+	}
+	return nil
 }

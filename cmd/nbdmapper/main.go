@@ -29,11 +29,14 @@ import (
 )
 
 const usage = `usage:
-  nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off] [NAME=TABLE_FILE ...]
+  nbdmapper serve [--socket PATH [--socket-mode 0660]] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off]
+                  [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
+                  [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...] [NAME=TABLE_FILE ...]
   nbdmapper check TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
-  nbdmapper status [--table] [--metrics HOST:PORT]   ask a running server, like dmsetup status/table
+  nbdmapper status [--table] [--metrics HOST:PORT|URL] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
+                   [--user NAME --password-file FILE]   ask a running server, like dmsetup status/table
 
 With no arguments at all, nbdmapper serves a built-in demo.
 `
@@ -95,6 +98,8 @@ type serveFlags struct {
 	flushBaseline  string
 	cpuProfile     string
 	metrics        string
+	metricsWeb     string
+	socketMode     socketMode
 }
 
 func runServe(args []string) error {
@@ -104,6 +109,11 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.listen, "listen", "", "listen on HOST:PORT (default 127.0.0.1:10809 when no --socket)")
 	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")
 	fs.StringVar(&sf.metrics, "metrics", defaultMetricsAddr, "serve Prometheus /metrics on HOST:PORT ('off' disables)")
+	fs.StringVar(&sf.metricsWeb, "metrics-web-config", "", "TLS and basic auth for --metrics: a Prometheus web config file, as node_exporter's --web.config.file")
+	sf.socketMode = defaultSocketMode
+	fs.Var(&sf.socketMode, "socket-mode", "permissions of the --socket file (octal)")
+	var tf tlsFlags
+	tf.register(fs)
 	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
 	fs.StringVar(&sf.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file")
 	var df discardFlags
@@ -165,12 +175,19 @@ func runServe(args []string) error {
 		log.Info("export", "name", defs[i].Name, "table", defs[i].File, "bytes", t.Size(), "segments", len(t.Lines))
 	}
 
+	srv := &nbdtarget.Server{Exports: exports, Logger: log}
+	certs, err := tf.apply(srv, exports)
+	if err != nil {
+		return err
+	}
+	if certs != nil {
+		defer reloadOnHUP(certs, log)()
+	}
 	listeners, err := listen(sf)
 	if err != nil {
 		return err
 	}
-	srv := &nbdtarget.Server{Exports: exports, Logger: log}
-	stopMetrics, err := startMetrics(sf.metrics, log, srv, flusher, discarder, statusRoutes(exports))
+	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, log, srv, flusher, discarder, statusRoutes(exports))
 	if err != nil {
 		return err
 	}
@@ -219,8 +236,7 @@ func startCPUProfile(path string) (stop func(), err error) {
 func listen(sf serveFlags) ([]net.Listener, error) {
 	var ls []net.Listener
 	if sf.socket != "" {
-		os.Remove(sf.socket)
-		l, err := net.Listen("unix", sf.socket)
+		l, err := listenUnix(sf.socket, sf.socketMode)
 		if err != nil {
 			return nil, err
 		}
