@@ -277,7 +277,13 @@ func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 		}
 		io.WriteString(w, "</body></html>\n")
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	logger := m.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	// Failed TLS handshakes and the like are the client's problem: debug.
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog: slog.NewLogLogger(logger.Handler(), slog.LevelDebug)}
 	shut := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
 		defer close(shut)
@@ -285,10 +291,6 @@ func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 		defer cancel()
 		srv.Shutdown(sctx)
 	})
-	logger := m.Logger
-	if logger == nil {
-		logger = slog.New(slog.DiscardHandler)
-	}
 	err := web.Serve(l, srv, &web.FlagConfig{WebConfigFile: &m.WebConfigFile}, logger)
 	if !stop() {
 		<-shut // ctx ended: wait until Shutdown has drained the connections
