@@ -131,6 +131,16 @@ func (c *rawClient) startTLS(cfg *tls.Config) *tls.Conn {
 	return tc
 }
 
+// exportNameCloses sends EXPORT_NAME, which has no error reply, and
+// checks that the server closes the connection.
+func (c *rawClient) exportNameCloses(name string) {
+	c.t.Helper()
+	c.option(1, []byte(name))
+	if !c.closed() {
+		c.t.Fatalf("EXPORT_NAME %q: connection still open", name)
+	}
+}
+
 // listNames runs LIST and returns the names.
 func (c *rawClient) listNames() []string {
 	c.t.Helper()
@@ -173,10 +183,7 @@ func TestStartTLSHandshake(t *testing.T) {
 		}},
 		{"require: EXPORT_NAME before STARTTLS closes", TLSRequire, func(t *testing.T, f *tlsFix, c *rawClient) {
 			c.greet(3)
-			c.option(1, []byte("main"))
-			if !c.closed() {
-				t.Fatal("connection still open")
-			}
+			c.exportNameCloses("main")
 		}},
 		{"require: ABORT before STARTTLS is acknowledged", TLSRequire, func(t *testing.T, f *tlsFix, c *rawClient) {
 			c.greet(3)
@@ -246,10 +253,7 @@ func TestStartTLSHandshake(t *testing.T) {
 		}},
 		{"on: EXPORT_NAME of a TLS-only export in plaintext closes", TLSOn, func(t *testing.T, f *tlsFix, c *rawClient) {
 			c.greet(3)
-			c.option(1, []byte("secret"))
-			if !c.closed() {
-				t.Fatal("connection still open")
-			}
+			c.exportNameCloses("secret")
 		}},
 		{"policy: a client not named gets ERR_POLICY and no listing", TLSRequire, func(t *testing.T, f *tlsFix, c *rawClient) {
 			c.greet(3)
@@ -268,10 +272,7 @@ func TestStartTLSHandshake(t *testing.T) {
 		{"policy: EXPORT_NAME by a client not named closes", TLSRequire, func(t *testing.T, f *tlsFix, c *rawClient) {
 			c.greet(3)
 			c.startTLS(f.goClient(t, "mallory"))
-			c.option(1, []byte("secret"))
-			if !c.closed() {
-				t.Fatal("connection still open")
-			}
+			c.exportNameCloses("secret")
 		}},
 		{"policy: a client named read-only gets a read-only export", TLSRequire, func(t *testing.T, f *tlsFix, c *rawClient) {
 			c.greet(3)
