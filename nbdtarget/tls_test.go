@@ -568,3 +568,24 @@ func fioTLS(t *testing.T, dir string, args ...string) *exec.Cmd {
 	}
 	return cmd
 }
+
+// TestShutdownTLS: Shutdown ends a TLS connection in transmission as it
+// ends a plaintext one: the request already answered stays answered, the
+// client sees the connection close, Shutdown returns nil.
+func TestShutdownTLS(t *testing.T) {
+	f := newTLSFix(t, TLSRequire)
+	c := dialRaw(t, f.sock)
+	c.greet(3)
+	c.startTLS(f.goClient(t, "alice"))
+	c.connect2("main")
+	c.request(0, 0, 9, 0, 4096, nil)
+	if h, e, d := c.simple(4096); h != 9 || e != 0 || len(d) != 4096 {
+		t.Fatalf("read over TLS: handle %d errno %d", h, e)
+	}
+	if err := f.srv.Shutdown(context.Background()); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if !c.closed() {
+		t.Fatal("connection still open after Shutdown")
+	}
+}
