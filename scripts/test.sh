@@ -20,6 +20,7 @@ packages=(
 	dmsetup
 	util-linux      # blkdiscard
 	cpio
+	openssl         # certificates for the guest's nbd-client TLS test
 )
 missing=()
 for p in "${packages[@]}"; do
