@@ -1,6 +1,7 @@
 package nbdtarget
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -588,4 +589,39 @@ func TestShutdownTLS(t *testing.T) {
 	if !c.closed() {
 		t.Fatal("connection still open after Shutdown")
 	}
+}
+
+// FuzzHandshakeTLS runs FuzzHandshake's sessions against a server in each
+// TLS mode, with a TLS-only export, so that the STARTTLS gate and the access
+// checks see arbitrary option streams (a STARTTLS that gets its ACK then
+// meets arbitrary bytes as a TLS handshake).
+func FuzzHandshakeTLS(f *testing.F) {
+	f.Add(byte(1), clientStream(false))
+	f.Add(byte(2), clientStream(true, seedRequests...))
+	starttls := binary.BigEndian.AppendUint32(nil, 3)
+	starttls = binary.BigEndian.AppendUint64(starttls, magicOpt)
+	starttls = binary.BigEndian.AppendUint32(starttls, optStartTLS)
+	starttls = binary.BigEndian.AppendUint32(starttls, 0)
+	f.Add(byte(2), starttls)
+	f.Add(byte(1), append(starttls, 0x16, 3, 1, 0, 4))
+	ca := nbdtest.NewCA(f, "fuzz CA")
+	dir := f.TempDir()
+	leaf := ca.Server(f)
+	nbdtest.CertDir(f, dir, ca, &leaf, nil)
+	certs, err := LoadCerts(filepath.Join(dir, "server-cert.pem"), filepath.Join(dir, "server-key.pem"), filepath.Join(dir, "ca-cert.pem"))
+	if err != nil {
+		f.Fatal(err)
+	}
+	var srvs [3]*Server
+	for m := range srvs {
+		srv := fuzzServer(f)
+		srv.Exports[0].Access = &Access{ReadWrite: []string{"alice"}}
+		srv.TLS, srv.TLSConfig = TLSMode(m), certs.Config()
+		srvs[m] = srv
+	}
+	f.Fuzz(func(t *testing.T, mode byte, data []byte) {
+		srv := srvs[int(mode)%len(srvs)]
+		c := srv.newConn(&fakeConn{r: bytes.NewReader(data)})
+		c.serve()
+	})
 }
