@@ -3,20 +3,30 @@
 # and runs the same fio nbd-engine workloads against each, in one run, so the
 # ratios are measured under the same machine load.
 #
-#   bench/peers.sh [SIZE_MIB] [RUNTIME_S] [ROUNDS]
+#   bench/peers.sh [SIZE_MIB] [RUNTIME_S] [ROUNDS] [SETS]
+#
+# SETS is "plain tls" by default. plain: each peer on a unix socket. tls:
+# each peer on loopback TCP with NBD_OPT_STARTTLS required and client
+# certificates verified (nbdmapper --tls require --tls-ca, nbdkit --tls=require
+# --tls-verify-peer, qemu-nbd --tls-creds with verify-peer), certificates made
+# by openssl for the run. fio 3.33's nbd engine cannot take tls-certificates
+# in its URI (libnbd refuses local files there), so fio finds the client
+# certificate in libnbd's default directory: $HOME/.pki/libnbd for a fresh
+# HOME, running as nobody when run as root (root's is /etc/pki/libnbd).
 #
 # Peers take turns within each round, so a burst of load from elsewhere
-# touches all of them. Prints a markdown table: each peer's median figure
-# (IOPS, or MiB/s for 1M rows) and nbdmapper's ratio to the best peer.
+# touches all of them. Prints a markdown table per set: each peer's median
+# figure (IOPS, or MiB/s for 1M rows) and nbdmapper's ratio to the best peer.
 # Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size_mib=${1:-1024}
 runtime=${2:-10}
 rounds=${3:-3}
+sets=${4:-plain tls}
 
 . bench/lib.sh
-bench_setup peers fio nbdkit qemu-nbd python3 go
+bench_setup peers fio nbdkit qemu-nbd python3 go openssl
 disk=$work/disk.img
 # A fully allocated file, so no peer pays for allocating holes during the run.
 fallocate -l "${size_mib}M" "$disk"
@@ -36,6 +46,71 @@ start_peer() { # name socket
 	wait_socket "$sock" "$peer_pid" "$out/$name.log"
 }
 
+# make_pki DIR: a CA, a server certificate for localhost/127.0.0.1 and a
+# client certificate, in the layout libnbd, nbdkit and qemu read
+# (ca-cert.pem, server-cert.pem, server-key.pem, client-cert.pem, client-key.pem).
+make_pki() {
+	local d=$1 who
+	mkdir -p "$d"
+	openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+		-subj /CN=bench-ca -keyout "$d/ca-key.pem" -out "$d/ca-cert.pem" 2>/dev/null
+	for who in server client; do
+		openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$who" \
+			-keyout "$d/$who-key.pem" -out "$d/$who.csr" 2>/dev/null
+		if [ $who = server ]; then
+			printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' >"$d/$who.ext"
+		else
+			printf 'extendedKeyUsage=clientAuth\n' >"$d/$who.ext"
+		fi
+		openssl x509 -req -in "$d/$who.csr" -CA "$d/ca-cert.pem" -CAkey "$d/ca-key.pem" -CAcreateserial \
+			-days 2 -extfile "$d/$who.ext" -out "$d/$who-cert.pem" 2>/dev/null
+	done
+}
+
+# start_tls_peer NAME PORT: the peer on 127.0.0.1:PORT requiring TLS with
+# a client certificate.
+start_tls_peer() {
+	local name=$1 port=$2 p=$work/pki
+	case $name in
+	nbdmapper) "$work/nbdmapper" serve --metrics off --listen "127.0.0.1:$port" --tls require \
+		--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" \
+		"bench=$work/one.table" 2>"$out/$name-tls.log" & ;;
+	nbdkit) nbdkit --foreground --ipaddr 127.0.0.1 --port "$port" --tls=require --tls-certificates "$p" \
+		--tls-verify-peer --exportname bench file "$disk" 2>"$out/$name-tls.log" & ;;
+	qemu-nbd) qemu-nbd --format raw --bind 127.0.0.1 --port "$port" --export-name bench --shared 8 --persistent \
+		--cache writeback --aio threads --object "tls-creds-x509,id=tls0,endpoint=server,dir=$p,verify-peer=on" \
+		--tls-creds tls0 "$disk" 2>"$out/$name-tls.log" & ;;
+	esac
+	peer_pid=$!
+	until nbdinfo --size "nbds://127.0.0.1:$port/bench?tls-certificates=$p" >/dev/null 2>&1; do
+		if ! kill -0 "$peer_pid" 2>/dev/null; then
+			echo "$name did not start:" >&2
+			cat "$out/$name-tls.log" >&2
+			exit 1
+		fi
+		sleep 0.05
+	done
+}
+
+# fio_tls ARGS...: fio with libnbd's default certificate directory holding
+# the client certificate (see the header).
+fio_tls() {
+	local home=$work/home
+	if [ ! -d "$home" ]; then
+		mkdir -p "$home/.pki/libnbd"
+		cp "$work/pki/ca-cert.pem" "$work/pki/client-cert.pem" "$work/pki/client-key.pem" "$home/.pki/libnbd/"
+		if [ "$(id -u)" = 0 ]; then
+			chmod 711 "$work"
+			chown -R nobody "$home"
+		fi
+	fi
+	if [ "$(id -u)" = 0 ]; then
+		(cd "$home" && HOME=$home setpriv --reuid=nobody --regid=nogroup --clear-groups fio "$@")
+	else
+		HOME=$home fio "$@"
+	fi
+}
+
 # name | fio args
 workloads=(
 	"4k randread qd32|--rw=randread --bs=4k --iodepth=32"
@@ -46,32 +121,49 @@ workloads=(
 	"4k randread 4 conns|--rw=randread --bs=4k --iodepth=8 --numjobs=4"
 )
 peers=(nbdmapper nbdkit qemu-nbd)
+[[ " $sets " != *" tls "* ]] || make_pki "$work/pki"
+port=$((20000 + RANDOM % 20000))
 
 for round in $(seq "$rounds"); do
-	for peer in "${peers[@]}"; do
-		sock=$work/$peer.sock
-		rm -f "$sock"
-		start_peer "$peer" "$sock"
-		for i in "${!workloads[@]}"; do
-			args=${workloads[$i]#*|}
-			# shellcheck disable=SC2086
-			fio --name=w$i --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" $args \
-				--size="${size_mib}M" --time_based --runtime="$runtime" --ramp_time=1 \
-				--group_reporting --output-format=json --output="$out/$peer-$i-$round.json" >/dev/null
+	for set in $sets; do
+		for peer in "${peers[@]}"; do
+			if [ "$set" = tls ]; then
+				port=$((port + 1))
+				start_tls_peer "$peer" "$port"
+				uri="nbds://127.0.0.1:$port/bench"
+				run=fio_tls
+			else
+				sock=$work/$peer.sock
+				rm -f "$sock"
+				start_peer "$peer" "$sock"
+				uri="nbd+unix:///bench?socket=$sock"
+				run=fio
+			fi
+			for i in "${!workloads[@]}"; do
+				args=${workloads[$i]#*|}
+				# shellcheck disable=SC2086
+				$run --name=w$i --ioengine=nbd "--uri=$uri" $args \
+					--size="${size_mib}M" --time_based --runtime="$runtime" --ramp_time=1 \
+					--group_reporting --output-format=json >"$out/$set-$peer-$i-$round.json"
+			done
+			kill -INT "$peer_pid"
+			wait "$peer_pid" || true
 		done
-		kill -INT "$peer_pid"
-		wait "$peer_pid" || true
 	done
 done
 
 printf '%s\n' "${workloads[@]%%|*}" >"$out/names"
-python3 - "$out" "$rounds" "${peers[@]}" <<'PY' | tee "$out/table.md"
+for set in $sets; do
+	echo
+	echo "$set:"
+	python3 - "$out" "$rounds" "$set" "${peers[@]}" <<'PY'
 import json, statistics, sys
-out, rounds, peers = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+out, rounds, set_, peers = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 names = open(f"{out}/names").read().splitlines()
 
 def one(peer, i, r):
-    job = json.load(open(f"{out}/{peer}-{i}-{r}.json"))["jobs"][0]
+    text = open(f"{out}/{set_}-{peer}-{i}-{r}.json").read()
+    job = json.loads(text[text.index("{"):])["jobs"][0]  # fio may print a line before the JSON
     side = job["read"] if job["read"]["io_bytes"] else job["write"]
     if names[i].startswith("1M"):
         return side["bw_bytes"] / 2**20
@@ -91,3 +183,4 @@ for i, name in enumerate(names):
     cells = " | ".join(f"{vals[p][0]:.0f}" for p in peers)
     print(f"| {name} | {unit} | {cells} | {ratio:.2f} |")
 PY
+done | tee "$out/table.md"

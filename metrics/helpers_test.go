@@ -49,6 +49,13 @@ const (
 //	small: | d0:8 |
 func startRig(t *testing.T) *rig {
 	t.Helper()
+	return startRigWeb(t, "")
+}
+
+// startRigWeb is startRig with the metrics listener protected by a web
+// config file (see Metrics.WebConfigFile); "" serves plain HTTP.
+func startRigWeb(t *testing.T, webConfig string) *rig {
+	t.Helper()
 	dir := t.TempDir()
 	r := &rig{recorders: make(map[string]*backing.Recorder)}
 	for i := range 2 {
@@ -85,6 +92,7 @@ func startRig(t *testing.T) *rig {
 
 	r.socket = nbdtest.ServeUnix(t, r.server, nbdtarget.ErrServerClosed)
 
+	r.metrics.WebConfigFile = webConfig
 	ml, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"runtime/debug"
@@ -14,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/prometheus/exporter-toolkit/web"
 
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
@@ -41,6 +43,14 @@ type Metrics struct {
 	// Routes are further handlers Serve mounts beside /metrics, by path
 	// (the serve command's /status and /table). Set before Serve.
 	Routes map[string]http.Handler
+
+	// WebConfigFile, if set, is a Prometheus web configuration file (TLS,
+	// client certificates, basic auth), as node_exporter's
+	// --web.config.file takes it; Serve applies it through the Prometheus
+	// exporter-toolkit, which re-reads it for every connection and
+	// request. Logger receives that toolkit's messages. Set before Serve.
+	WebConfigFile string
+	Logger        *slog.Logger
 
 	reg *prometheus.Registry
 
@@ -267,7 +277,13 @@ func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 		}
 		io.WriteString(w, "</body></html>\n")
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	logger := m.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	// Failed TLS handshakes and the like are the client's problem: debug.
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog: slog.NewLogLogger(logger.Handler(), slog.LevelDebug)}
 	shut := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
 		defer close(shut)
@@ -275,7 +291,7 @@ func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 		defer cancel()
 		srv.Shutdown(sctx)
 	})
-	err := srv.Serve(l)
+	err := web.Serve(l, srv, &web.FlagConfig{WebConfigFile: &m.WebConfigFile}, logger)
 	if !stop() {
 		<-shut // ctx ended: wait until Shutdown has drained the connections
 		return nil
@@ -284,4 +300,14 @@ func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
 		return nil
 	}
 	return err
+}
+
+// ValidateWebConfig checks a web configuration file as Serve will read it,
+// so that a bad file is an error at startup rather than a log line at the
+// first scrape.
+func ValidateWebConfig(path string) error {
+	if err := web.Validate(path); err != nil {
+		return fmt.Errorf("web config %s: %w", path, err)
+	}
+	return nil
 }

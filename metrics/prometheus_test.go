@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/crypto/bcrypt"
+
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
@@ -29,7 +31,9 @@ type promServer struct {
 	exited chan struct{}
 }
 
-func startPrometheus(t *testing.T, target string) *promServer {
+// jobs is appended under scrape_configs after the nbdmapper job; scrape is
+// appended to that job (scheme, tls_config, basic_auth), indented by four.
+func startPrometheus(t *testing.T, target, scrape, jobs string) *promServer {
 	t.Helper()
 	bin := nbdtest.Tool(t, "prometheus")
 	dir := t.TempDir()
@@ -40,7 +44,7 @@ scrape_configs:
   - job_name: nbdmapper
     static_configs:
       - targets: [%q]
-`, target)
+%s%s`, target, scrape, jobs)
 	cfgPath := filepath.Join(dir, "prometheus.yml")
 	if err := os.WriteFile(cfgPath, []byte(config), 0o644); err != nil {
 		t.Fatal(err)
@@ -174,11 +178,114 @@ func (p *promServer) waitScrapedAfter(t *testing.T, since time.Time) {
 // disks) while fio writes with fsync and then trims through the NBD engine.
 // The flush and discard counters Prometheus stored must equal what reached
 // the backing devices. Every dashboard query must also evaluate.
+//
+// It runs over plain HTTP and over HTTPS with a web config that requires a
+// client certificate and basic auth; there a second Prometheus job without
+// credentials must find the target down.
 func TestPrometheusScrapesWhatDevicesSaw(t *testing.T) {
+	nbdtest.Tool(t, "fio")
+	nbdtest.Tool(t, "prometheus")
+	t.Run("http", func(t *testing.T) {
+		r := startRig(t)
+		target := strings.TrimSuffix(strings.TrimPrefix(r.metricsURL, "http://"), "/metrics")
+		p := startPrometheus(t, target, "", "")
+		scrapeWhatDevicesSaw(t, r, p)
+	})
+	t.Run("https with client certificate and basic auth", func(t *testing.T) {
+		dir := t.TempDir()
+		ca := nbdtest.NewCA(t, "test CA")
+		srv, cli := ca.Server(t), ca.Client(t, "prometheus")
+		nbdtest.CertDir(t, dir, ca, &srv, &cli)
+		f := func(name string) string { return filepath.Join(dir, name) }
+		hash, err := bcrypt.GenerateFromPassword([]byte("s3cret"), bcrypt.MinCost)
+		if err != nil {
+			t.Fatal(err)
+		}
+		os.WriteFile(f("password"), []byte("s3cret"), 0o600)
+		web := fmt.Sprintf(`tls_server_config:
+  cert_file: %s
+  key_file: %s
+  client_auth_type: RequireAndVerifyClientCert
+  client_ca_file: %s
+basic_auth_users:
+  prometheus: %s
+`, f("server-cert.pem"), f("server-key.pem"), f("ca-cert.pem"), hash)
+		if err := os.WriteFile(f("web.yml"), []byte(web), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		r := startRigWeb(t, f("web.yml"))
+		target := strings.TrimSuffix(strings.TrimPrefix(r.metricsURL, "http://"), "/metrics")
+		scrape := fmt.Sprintf(`    scheme: https
+    tls_config:
+      ca_file: %s
+      cert_file: %s
+      key_file: %s
+      server_name: localhost
+    basic_auth:
+      username: prometheus
+      password_file: %s
+`, f("ca-cert.pem"), f("client-cert.pem"), f("client-key.pem"), f("password"))
+		anonymous := fmt.Sprintf(`  - job_name: anonymous
+    scheme: https
+    tls_config:
+      ca_file: %s
+      server_name: localhost
+    static_configs:
+      - targets: [%q]
+  - job_name: no-password
+    scheme: https
+    tls_config:
+      ca_file: %s
+      cert_file: %s
+      key_file: %s
+      server_name: localhost
+    static_configs:
+      - targets: [%q]
+`, f("ca-cert.pem"), target, f("ca-cert.pem"), f("client-cert.pem"), f("client-key.pem"), target)
+		p := startPrometheus(t, target, scrape, anonymous)
+		scrapeWhatDevicesSaw(t, r, p)
+		for _, job := range []string{"anonymous", "no-password"} {
+			if up := p.scalar(t, fmt.Sprintf(`up{job=%q}`, job)); up != 0 {
+				t.Errorf("job %s without credentials: up = %v, want 0", job, up)
+			}
+		}
+		// Say why, as Prometheus saw it.
+		for _, tg := range p.targets(t) {
+			t.Logf("target %s: health %s, error %q", tg.Job, tg.Health, tg.LastError)
+			if tg.Job == "no-password" && !strings.Contains(tg.LastError, "401") {
+				t.Errorf("scrape without a password failed with %q, want HTTP 401", tg.LastError)
+			}
+		}
+	})
+}
+
+type promTarget struct {
+	Job       string `json:"scrapePool"`
+	Health    string `json:"health"`
+	LastError string `json:"lastError"`
+}
+
+// targets lists the active scrape targets and their last scrape's error.
+func (p *promServer) targets(t *testing.T) []promTarget {
+	t.Helper()
+	resp, err := http.Get(p.api + "/api/v1/targets?state=active")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var out struct {
+		Data struct {
+			ActiveTargets []promTarget `json:"activeTargets"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		t.Fatal(err)
+	}
+	return out.Data.ActiveTargets
+}
+
+func scrapeWhatDevicesSaw(t *testing.T, r *rig, p *promServer) {
 	fio := nbdtest.Tool(t, "fio")
-	r := startRig(t)
-	target := strings.TrimSuffix(strings.TrimPrefix(r.metricsURL, "http://"), "/metrics")
-	p := startPrometheus(t, target)
 	p.waitScrapedAfter(t, time.Now())
 
 	// 4 MiB is the linear part of "main": 8 segments over both disks.

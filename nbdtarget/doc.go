@@ -7,7 +7,9 @@
 // wire.go holds the whole wire format (magics, options, replies, flags,
 // commands, errnos and message layouts). handshake.go negotiates an export
 // (GO, INFO, LIST, ABORT, EXPORT_NAME, STRUCTURED_REPLY, LIST/SET_META_CONTEXT
-// for base:allocation). transmit.go runs one connection on a leader/follower
+// for base:allocation, STARTTLS). tls.go holds the rest of TLS: the
+// off/on/require modes, certificates that reload while connections stay up,
+// and per-export access by client certificate. transmit.go runs one connection on a leader/follower
 // pool of goroutines: the one holding the read token decodes a request (and a
 // write's payload), passes the token to another, checks the request once
 // (check), calls the Export and writes the reply under a mutex, so replies

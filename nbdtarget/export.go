@@ -24,6 +24,11 @@ type Export struct {
 	// uses it, as dm did before Linux 6.11. Benchmark baseline only.
 	PerSegmentFlush bool
 
+	// Access, if set, admits only TLS clients with a verified certificate
+	// it names (see Access); others get ERR_POLICY and do not see the
+	// export in LIST.
+	Access *Access
+
 	devsOnce sync.Once
 	devs     []backing.Device
 }

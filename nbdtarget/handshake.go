@@ -15,11 +15,11 @@ var (
 	errNoExport    = errors.New("EXPORT_NAME for an unknown export")
 )
 
-// transmissionFlags are the flags advertised for x: exactly what the
-// transmission phase implements. DF needs structured replies.
-func transmissionFlags(x *Export, structured bool) uint16 {
+// transmissionFlags are the flags advertised for an export: exactly what
+// the transmission phase implements. DF needs structured replies.
+func transmissionFlags(readOnly, structured bool) uint16 {
 	f := tfHasFlags | tfSendFlush | tfSendFUA | tfSendCache | tfCanMultiConn
-	if x.ReadOnly {
+	if readOnly {
 		f |= tfReadOnly
 	} else {
 		f |= tfSendTrim | tfSendWriteZeroes | tfSendFastZero
@@ -81,6 +81,9 @@ func (c *conn) handshake() (*Export, error) {
 		}
 		x, err := c.option(h.ID, data)
 		if err != nil || x != nil {
+			if x != nil {
+				c.ro = c.readOnly(x)
+			}
 			return x, err
 		}
 	}
@@ -89,16 +92,22 @@ func (c *conn) handshake() (*Export, error) {
 // option handles one option. It returns the chosen export when the
 // handshake is over, an error when the connection must close, or neither.
 func (c *conn) option(id uint32, data []byte) (*Export, error) {
+	if ok, err := c.tlsGate(id); !ok {
+		return nil, err
+	}
 	switch id {
 	case optExportName:
+		// No error reply is possible for EXPORT_NAME.
 		x := c.srv.lookup(string(data))
 		if x == nil {
-			// No error reply is possible for EXPORT_NAME.
 			return nil, fmt.Errorf("%w %q", errNoExport, data)
+		}
+		if c.access(x) < accessReadOnly {
+			return nil, fmt.Errorf("%w %q", errNotAllowed, data)
 		}
 		c.metaExport = nil // EXPORT_NAME cannot select meta contexts usefully
 		b := binary.BigEndian.AppendUint64(nil, uint64(x.Size()))
-		b = binary.BigEndian.AppendUint16(b, transmissionFlags(x, c.structured))
+		b = binary.BigEndian.AppendUint16(b, transmissionFlags(c.readOnly(x), c.structured))
 		if !c.noZeroes {
 			b = append(b, make([]byte, exportNamePad)...)
 		}
@@ -117,6 +126,9 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 			return nil, c.optReply(id, repErrInvalid, []byte("LIST takes no data"))
 		}
 		for _, x := range c.srv.Exports {
+			if c.access(x) < accessReadOnly {
+				continue // not for this client: not listed
+			}
 			b := binary.BigEndian.AppendUint32(nil, uint32(len(x.Name)))
 			b = append(b, x.Name...)
 			b = append(b, x.Description...)
@@ -128,6 +140,9 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 
 	case optInfo, optGo:
 		return c.optInfo(id, data)
+
+	case optStartTLS:
+		return nil, c.startTLS(data)
 
 	case optStructuredReply:
 		if len(data) != 0 {
@@ -163,13 +178,13 @@ func (c *conn) optInfo(id uint32, data []byte) (*Export, error) {
 	if !d.done() {
 		return nil, c.optReply(id, repErrInvalid, []byte("malformed INFO/GO request"))
 	}
-	x := c.srv.lookup(name)
+	x, rep, msg := c.export(name)
 	if x == nil {
-		return nil, c.optReply(id, repErrUnknown, []byte("no export named "+name))
+		return nil, c.optReply(id, rep, []byte(msg))
 	}
 	b := binary.BigEndian.AppendUint16(nil, infoExport)
 	b = binary.BigEndian.AppendUint64(b, uint64(x.Size()))
-	b = binary.BigEndian.AppendUint16(b, transmissionFlags(x, c.structured))
+	b = binary.BigEndian.AppendUint16(b, transmissionFlags(c.readOnly(x), c.structured))
 	if err := c.optReply(id, repInfo, b); err != nil {
 		return nil, err
 	}
@@ -247,9 +262,9 @@ func (c *conn) optMeta(id uint32, data []byte) error {
 	if !d.done() {
 		return c.optReply(id, repErrInvalid, []byte("malformed meta context request"))
 	}
-	x := c.srv.lookup(name)
+	x, rep, msg := c.export(name)
 	if x == nil {
-		return c.optReply(id, repErrUnknown, []byte("no export named "+name))
+		return c.optReply(id, rep, []byte(msg))
 	}
 	if n == 0 && !set {
 		match = true

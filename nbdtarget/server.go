@@ -3,6 +3,7 @@ package nbdtarget
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -68,6 +69,13 @@ type Server struct {
 	// written. It runs on the request's worker and must be cheap and safe
 	// for concurrent use.
 	Observe func(export, op string, bytes int64, errno uint32, d time.Duration)
+
+	// TLSConfig, if set, is offered to clients through NBD_OPT_STARTTLS
+	// (Certs.Config gives one whose certificates can be reloaded), and TLS
+	// says whether they must take it. Without TLSConfig STARTTLS gets
+	// ERR_UNSUP, so TLSRequire then admits nobody.
+	TLSConfig *tls.Config
+	TLS       TLSMode
 
 	initOnce sync.Once
 	stats    map[*Export]*exportStats

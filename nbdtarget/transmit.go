@@ -3,6 +3,7 @@ package nbdtarget
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"log/slog"
@@ -49,8 +50,10 @@ type conn struct {
 	// Negotiated in the handshake.
 	noZeroes   bool
 	structured bool
-	meta       bool    // base:allocation selected
-	metaExport *Export // ... for this export
+	meta       bool      // base:allocation selected
+	metaExport *Export   // ... for this export
+	tls        *tls.Conn // after STARTTLS; br and bw then read and write it
+	ro         bool      // the export is read-only for this client
 
 	x  *Export
 	st *exportStats
@@ -72,7 +75,7 @@ type conn struct {
 
 func (c *conn) serve() {
 	defer c.srv.dropConn(c)
-	defer c.nc.Close()
+	defer c.close()
 	c.nc.SetDeadline(time.Now().Add(c.srv.handshakeTimeout()))
 	x, err := c.handshake()
 	if err == nil {
@@ -462,7 +465,7 @@ func (c *conn) check(r *request) (uint32, string) {
 		return EINVAL, "unknown command"
 	}
 	writes := r.Type == cmdWrite || r.Type == cmdTrim || r.Type == cmdWriteZeroes
-	if writes && c.x.ReadOnly {
+	if writes && c.ro {
 		return EPERM, "export is read-only"
 	}
 	allowed := cfFUA

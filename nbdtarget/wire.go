@@ -36,7 +36,7 @@ const (
 	optExportName      uint32 = 1  // data: name; reply: export info (no option reply possible)
 	optAbort           uint32 = 2  // no data; reply ACK, then close
 	optList            uint32 = 3  // no data; REP_SERVER per export, then ACK
-	optStartTLS        uint32 = 5  // not supported: ERR_UNSUP
+	optStartTLS        uint32 = 5  // no data; ACK, then a TLS handshake (tls.go)
 	optInfo            uint32 = 6  // data: infoRequest; REP_INFO..., ACK; stays in options
 	optGo              uint32 = 7  // as optInfo, then transmission
 	optStructuredReply uint32 = 8  // no data; ACK

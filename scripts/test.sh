@@ -22,6 +22,7 @@ packages=(
 	cpio
 	kmod            # depmod, for vmtest's initramfs
 	systemd         # systemd-socket-activate, systemd-analyze (no systemd PID 1 needed)
+	openssl         # certificates for the guest's nbd-client TLS test
 )
 sudo=""
 [ "$(id -u)" = 0 ] || sudo=sudo

@@ -28,13 +28,16 @@ import (
 )
 
 const usage = `usage:
-  nbdmapper serve [--socket PATH] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off]
+  nbdmapper serve [--socket PATH [--socket-mode 0660]] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off]
+                  [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
+                  [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
                   [--description NAME=TEXT] [--tables DIR] [NAME=TABLE_FILE ...]
   nbdmapper check TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
-  nbdmapper status [--table] [--metrics HOST:PORT]   ask a running server, like dmsetup status/table
+  nbdmapper status [--table] [--metrics HOST:PORT|URL] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
+                   [--user NAME --password-file FILE]   ask a running server, like dmsetup status/table
 
 With no arguments at all, nbdmapper serves a built-in demo.
 `
@@ -97,6 +100,8 @@ type serveFlags struct {
 	cpuProfile     string
 	metrics        string
 	tables         string
+	metricsWeb     string
+	socketMode     socketMode
 }
 
 func runServe(args []string) error {
@@ -106,6 +111,11 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.listen, "listen", "", "listen on HOST:PORT (default 127.0.0.1:10809 when no --socket)")
 	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")
 	fs.StringVar(&sf.metrics, "metrics", defaultMetricsAddr, "serve Prometheus /metrics on HOST:PORT ('off' disables)")
+	fs.StringVar(&sf.metricsWeb, "metrics-web-config", "", "TLS and basic auth for --metrics: a Prometheus web config file, as node_exporter's --web.config.file")
+	sf.socketMode = defaultSocketMode
+	fs.Var(&sf.socketMode, "socket-mode", "permissions of the --socket file (octal)")
+	var tf tlsFlags
+	tf.register(fs)
 	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
 	fs.StringVar(&sf.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file")
 	fs.StringVar(&sf.tables, "tables", "", "serve every NAME.table in DIR as export NAME")
@@ -174,12 +184,19 @@ func runServe(args []string) error {
 
 	limitMemory(log, int64(lf.memory))
 
+	srv.Exports = exports
+	certs, err := tf.apply(srv, exports)
+	if err != nil {
+		return err
+	}
+	if certs != nil {
+		defer reloadOnHUP(certs, log)()
+	}
 	listeners, metricsListener, err := serveListeners(sf)
 	if err != nil {
 		return err
 	}
-	srv.Exports = exports
-	stopMetrics, err := startMetrics(sf.metrics, metricsListener, log, srv, flusher, discarder, statusRoutes(exports))
+	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, metricsListener, log, srv, flusher, discarder, statusRoutes(exports))
 	if err != nil {
 		return err
 	}
@@ -233,8 +250,7 @@ func startCPUProfile(path string) (stop func(), err error) {
 func listen(sf serveFlags) ([]net.Listener, error) {
 	var ls []net.Listener
 	if sf.socket != "" {
-		os.Remove(sf.socket)
-		l, err := net.Listen("unix", sf.socket)
+		l, err := listenUnix(sf.socket, sf.socketMode)
 		if err != nil {
 			return nil, err
 		}

@@ -62,8 +62,10 @@ func failedLines(x *nbdtarget.Export) string {
 // (or, with --table, their tables), like dmsetup status / dmsetup table.
 func runStatus(args []string) error {
 	fs := flag.NewFlagSet("status", flag.ContinueOnError)
-	addr := fs.String("metrics", defaultMetricsAddr, "the server's --metrics HOST:PORT")
+	addr := fs.String("metrics", defaultMetricsAddr, "the server's --metrics HOST:PORT, or a URL (https://HOST:PORT)")
 	tableOut := fs.Bool("table", false, "print the tables instead of their status")
+	var hf httpClientFlags
+	hf.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -74,13 +76,24 @@ func runStatus(args []string) error {
 	if *tableOut {
 		path = "/table"
 	}
-	resp, err := http.Get("http://" + *addr + path)
+	client, base, err := hf.client(*addr)
+	if err != nil {
+		return err
+	}
+	req, err := http.NewRequest(http.MethodGet, base+path, nil)
+	if err != nil {
+		return err
+	}
+	if err := hf.auth(req); err != nil {
+		return err
+	}
+	resp, err := client.Do(req)
 	if err != nil {
 		return fmt.Errorf("is nbdmapper serve running with --metrics %s? %w", *addr, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("%s%s: %s", *addr, path, resp.Status)
+		return fmt.Errorf("%s%s: %s", base, path, resp.Status)
 	}
 	_, err = io.Copy(os.Stdout, resp.Body)
 	return err

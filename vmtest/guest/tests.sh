@@ -194,6 +194,66 @@ test_nbd_client() {
 	fi
 }
 
+# nbd-client over TLS: nbdmapper requires TLS and a client certificate
+# and limits export d to CN=client (certificates made here with openssl).
+# A plaintext nbd-client and one with another CA's certificate are refused;
+# then nbd-client with the right certificate attaches /dev/nbd0, which gets
+# a filesystem that must fsck clean after a detach and a new attach.
+test_nbd_client_tls() {
+	command -v openssl >/dev/null || { say "SKIP no openssl"; return 77; }
+	local pki=/tmp/pki other=/tmp/pki-other who
+	for d in "$pki" "$other"; do
+		mkdir -p "$d"
+		openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+			-subj /CN=ca -keyout "$d/ca-key.pem" -out "$d/ca-cert.pem" 2>/dev/null || return 1
+		for who in server client; do
+			openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$who" \
+				-keyout "$d/$who-key.pem" -out "$d/$who.csr" 2>/dev/null || return 1
+			if [ $who = server ]; then
+				printf 'subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n' >"$d/$who.ext"
+			else
+				printf 'extendedKeyUsage=clientAuth\n' >"$d/$who.ext"
+			fi
+			openssl x509 -req -in "$d/$who.csr" -CA "$d/ca-cert.pem" -CAkey "$d/ca-key.pem" \
+				-CAcreateserial -days 2 -extfile "$d/$who.ext" -out "$d/$who-cert.pem" 2>/dev/null || return 1
+		done
+	done
+	serve "$table" --tls require --tls-cert "$pki/server-cert.pem" --tls-key "$pki/server-key.pem" \
+		--tls-ca "$pki/ca-cert.pem" --allow d=client || return 1
+	if nbd-client -unix "$sock" /dev/nbd0 -N d -b 4096; then
+		say "a plaintext nbd-client attached to --tls require"
+		nbd-client -d /dev/nbd0
+		return 1
+	fi
+	if nbd-client -unix "$sock" /dev/nbd0 -N d -b 4096 -cacertfile "$pki/ca-cert.pem" \
+		-certfile "$other/client-cert.pem" -keyfile "$other/client-key.pem" -tlshostname localhost; then
+		say "nbd-client with another CA's certificate attached"
+		nbd-client -d /dev/nbd0
+		return 1
+	fi
+	local tls=(-cacertfile "$pki/ca-cert.pem" -certfile "$pki/client-cert.pem"
+		-keyfile "$pki/client-key.pem" -tlshostname localhost)
+	nbd-client -unix "$sock" /dev/nbd0 -N d -b 4096 "${tls[@]}" || return 1
+	mkfs.ext4 -q -F /dev/nbd0 || return 1
+	mkdir -p /tmp/mnt
+	mount /dev/nbd0 /tmp/mnt || return 1
+	head -c 5000000 /dev/urandom >/tmp/mnt/f
+	sha256sum /tmp/mnt/f >/tmp/tls-sum
+	umount /tmp/mnt || return 1
+	nbd-client -d /dev/nbd0 || return 1
+	echo 3 >/proc/sys/vm/drop_caches
+	nbd-client -unix "$sock" /dev/nbd0 -N d -b 4096 "${tls[@]}" || return 1
+	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
+		cat /tmp/fsck.log
+		say "e2fsck over TLS found errors"
+		return 1
+	}
+	mount /dev/nbd0 /tmp/mnt || return 1
+	sha256sum --quiet -c /tmp/tls-sum || return 1
+	umount /tmp/mnt
+	nbd-client -d /dev/nbd0 || return 1
+}
+
 # 5. Kernel dm-snapshot and nbdmapper read each other's COW stores. Two
 # dm-linear pieces of the disk stand for the origin and the COW device
 # (nbdmapper opens them by major:minor). Each side writes through its
@@ -322,7 +382,7 @@ test_snapshot() {
 	}
 }
 
-all=(fs dm_linear flush discard nbd_client snapshot)
+all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot)
 [ $# -gt 0 ] && all=("$@")
 if [ ! -x "$NBDMAPPER" ]; then
 	for t in "${all[@]}"; do result "$t" FAIL "no nbdmapper binary (did go build fail?)"; done

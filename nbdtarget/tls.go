@@ -1,0 +1,308 @@
+package nbdtarget
+
+// TLS for NBD: NBD_OPT_STARTTLS (proto.md "TLS support"), certificates that
+// can be re-read while connections stay up, and per-export access by client
+// certificate.
+//
+//	C: option STARTTLS (no data)     S: ACK
+//	C/S: TLS handshake on the same stream
+//	C: option ...                    negotiation restarts inside TLS, with
+//	                                 STRUCTURED_REPLY and meta contexts unset
+//
+// Go's crypto/tls has no TLS-PSK (RFC 4279), which nbdkit and qemu-nbd also
+// offer; only X.509 certificates are supported.
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"slices"
+	"strings"
+	"sync/atomic"
+)
+
+// TLSMode says what the server asks of clients when Server.TLSConfig is set.
+type TLSMode int
+
+const (
+	// TLSOff refuses STARTTLS (ERR_UNSUP): everything is plaintext.
+	TLSOff TLSMode = iota
+	// TLSOn offers STARTTLS and lets the client choose. Exports with an
+	// Access list are TLS-only: a plaintext client gets ERR_TLS_REQD for
+	// them and does not see them in LIST (the spec's selective TLS).
+	TLSOn
+	// TLSRequire answers every option before STARTTLS, except ABORT, with
+	// ERR_TLS_REQD, and closes on EXPORT_NAME (the spec's forced TLS).
+	TLSRequire
+)
+
+var tlsModes = []string{TLSOff: "off", TLSOn: "on", TLSRequire: "require"}
+
+func (m TLSMode) String() string {
+	if int(m) < len(tlsModes) {
+		return tlsModes[m]
+	}
+	return fmt.Sprintf("TLSMode(%d)", int(m))
+}
+
+// ParseTLSMode parses "off", "on" or "require".
+func ParseTLSMode(s string) (TLSMode, error) {
+	if i := slices.Index(tlsModes, s); i >= 0 {
+		return TLSMode(i), nil
+	}
+	return 0, fmt.Errorf("TLS mode %q: want off, on or require", s)
+}
+
+var (
+	errStartTLSPipelined = errors.New("client sent data after STARTTLS before its reply")
+	errTLSRequired       = errors.New("EXPORT_NAME before STARTTLS on a server that requires TLS")
+	errNotAllowed        = errors.New("EXPORT_NAME for an export the client may not use")
+)
+
+// Certs holds a server certificate and key, and optionally a CA that client
+// certificates must chain to, read from PEM files. Reload re-reads them;
+// Config's handshakes use whatever was loaded last, so connections already
+// up keep going and new ones get the new certificates.
+type Certs struct {
+	certFile, keyFile, caFile string
+	cur                       atomic.Pointer[tls.Config]
+}
+
+// LoadCerts reads the server certificate (chain) and key and, if caFile is
+// not empty, the CA bundle that verifies client certificates: with it every
+// client must present a certificate that chains to it.
+func LoadCerts(certFile, keyFile, caFile string) (*Certs, error) {
+	c := &Certs{certFile: certFile, keyFile: keyFile, caFile: caFile}
+	if err := c.Reload(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Reload re-reads the files. On error the certificates loaded before stay
+// in use.
+func (c *Certs) Reload() error {
+	cert, err := tls.LoadX509KeyPair(c.certFile, c.keyFile)
+	if err != nil {
+		return fmt.Errorf("TLS certificate: %w", err)
+	}
+	cfg := &tls.Config{
+		Certificates: []tls.Certificate{cert},
+		MinVersion:   tls.VersionTLS12,
+	}
+	if c.caFile != "" {
+		pem, err := os.ReadFile(c.caFile)
+		if err != nil {
+			return fmt.Errorf("TLS CA: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return fmt.Errorf("TLS CA %s: no PEM certificates", c.caFile)
+		}
+		cfg.ClientCAs = pool
+		cfg.ClientAuth = tls.RequireAndVerifyClientCert
+	}
+	c.cur.Store(cfg)
+	return nil
+}
+
+// Config is the tls.Config for Server.TLSConfig: each handshake takes the
+// certificates last loaded.
+func (c *Certs) Config() *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS12,
+		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
+			return c.cur.Load(), nil
+		},
+	}
+}
+
+// Access limits an export to TLS clients whose certificate was verified
+// against Certs' CA and names one of its identities. An identity is
+//
+//	NAME or CN=NAME    the certificate subject's common name (CN= if it has a ':')
+//	DNS:NAME           a DNS subject alternative name
+//	email:ADDRESS      an email SAN
+//	URI:URI            a URI SAN (a SPIFFE ID, say)
+//	IP:ADDRESS         an IP address SAN
+//
+// Clients named in ReadOnly see the export read-only; a client named in
+// both lists gets read-write access.
+type Access struct {
+	ReadWrite []string
+	ReadOnly  []string
+}
+
+// ParseIdentity checks an identity and returns it in canonical form
+// (a bare name becomes CN=NAME; IP addresses are normalised).
+func ParseIdentity(s string) (string, error) {
+	kind, val, ok := strings.Cut(s, ":")
+	if cn, isCN := strings.CutPrefix(s, "CN="); isCN || !ok {
+		if !isCN {
+			cn = s
+		}
+		if cn == "" {
+			return "", errors.New("empty identity")
+		}
+		return "CN=" + cn, nil
+	}
+	switch kind {
+	case "DNS", "email", "URI":
+		if val == "" {
+			return "", fmt.Errorf("identity %q: empty %s", s, kind)
+		}
+		return s, nil
+	case "IP":
+		ip := net.ParseIP(val)
+		if ip == nil {
+			return "", fmt.Errorf("identity %q: bad IP address", s)
+		}
+		return "IP:" + ip.String(), nil
+	}
+	return "", fmt.Errorf("identity %q: want NAME, CN=NAME, DNS:, email:, URI: or IP:", s)
+}
+
+// identities lists what a verified client certificate says about its
+// holder, in ParseIdentity's canonical forms.
+func identities(cert *x509.Certificate) []string {
+	var ids []string
+	if cert.Subject.CommonName != "" {
+		ids = append(ids, "CN="+cert.Subject.CommonName)
+	}
+	for _, n := range cert.DNSNames {
+		ids = append(ids, "DNS:"+n)
+	}
+	for _, n := range cert.EmailAddresses {
+		ids = append(ids, "email:"+n)
+	}
+	for _, u := range cert.URIs {
+		ids = append(ids, "URI:"+u.String())
+	}
+	for _, ip := range cert.IPAddresses {
+		ids = append(ids, "IP:"+ip.String())
+	}
+	return ids
+}
+
+// access is what a connection may do with an export.
+type access int
+
+const (
+	accessNone access = iota
+	accessTLSReqd
+	accessReadOnly
+	accessReadWrite
+)
+
+// access says what this connection may do with x: everything if x has no
+// Access list; otherwise only with a verified client certificate it names.
+func (c *conn) access(x *Export) access {
+	if x.Access == nil {
+		return accessReadWrite
+	}
+	if c.tls == nil {
+		return accessTLSReqd
+	}
+	cs := c.tls.ConnectionState()
+	if len(cs.VerifiedChains) == 0 {
+		return accessNone
+	}
+	ids := identities(cs.PeerCertificates[0])
+	named := func(list []string) bool {
+		return slices.ContainsFunc(list, func(s string) bool {
+			id, err := ParseIdentity(s)
+			return err == nil && slices.Contains(ids, id)
+		})
+	}
+	switch {
+	case named(x.Access.ReadWrite):
+		return accessReadWrite
+	case named(x.Access.ReadOnly):
+		return accessReadOnly
+	}
+	return accessNone
+}
+
+// export finds the export an option names and checks that this connection
+// may use it. If not, x is nil and rep and msg are the error reply.
+func (c *conn) export(name string) (x *Export, rep uint32, msg string) {
+	x = c.srv.lookup(name)
+	if x == nil {
+		return nil, repErrUnknown, "no export named " + name
+	}
+	switch c.access(x) {
+	case accessTLSReqd:
+		return nil, repErrTLSReqd, "export " + name + " needs TLS"
+	case accessNone:
+		return nil, repErrPolicy, "client certificate not allowed for export " + name
+	}
+	return x, 0, ""
+}
+
+// readOnly reports whether this connection sees x read-only.
+func (c *conn) readOnly(x *Export) bool {
+	return x.ReadOnly || c.access(x) == accessReadOnly
+}
+
+// tlsGate applies TLSRequire before STARTTLS: it returns ok to let the
+// option through, or the error that ends its handling.
+func (c *conn) tlsGate(id uint32) (ok bool, err error) {
+	if c.srv.TLS != TLSRequire || c.tls != nil {
+		return true, nil
+	}
+	switch id {
+	case optStartTLS, optAbort:
+		return true, nil
+	case optExportName:
+		return false, errTLSRequired
+	}
+	return false, c.optReply(id, repErrTLSReqd, []byte("TLS required: send STARTTLS first"))
+}
+
+// startTLS handles NBD_OPT_STARTTLS: ACK, then a TLS handshake on the same
+// stream, then negotiation starts over inside it.
+func (c *conn) startTLS(data []byte) error {
+	switch {
+	case c.srv.TLSConfig == nil || c.srv.TLS == TLSOff:
+		return c.optReply(optStartTLS, repErrUnsup, []byte("TLS not configured"))
+	case c.tls != nil:
+		return c.optReply(optStartTLS, repErrInvalid, []byte("TLS already negotiated"))
+	case len(data) != 0:
+		return c.optReply(optStartTLS, repErrInvalid, []byte("STARTTLS takes no data"))
+	case c.br.Buffered() != 0:
+		// Bytes sent before our ACK would be read as if they had come
+		// through TLS: plaintext injection (CVE-2021-3716 in nbdkit).
+		return errStartTLSPipelined
+	}
+	if err := c.optReply(optStartTLS, repAck, nil); err != nil {
+		return err
+	}
+	tc := tls.Server(c.nc, c.srv.TLSConfig)
+	if err := tc.Handshake(); err != nil {
+		return fmt.Errorf("TLS handshake: %w", err)
+	}
+	c.tls = tc
+	c.br.Reset(tc)
+	c.bw.Reset(tc)
+	c.structured, c.meta, c.metaExport = false, false, nil
+	cs := tc.ConnectionState()
+	var who []string
+	if len(cs.VerifiedChains) > 0 {
+		who = identities(cs.PeerCertificates[0])
+	}
+	c.log = c.log.With("tls", tls.VersionName(cs.Version), "client", strings.Join(who, ","))
+	c.log.Debug("nbd STARTTLS")
+	return nil
+}
+
+// close closes the connection, telling a TLS peer first (close_notify).
+func (c *conn) close() {
+	if c.tls != nil {
+		c.tls.Close()
+		return
+	}
+	c.nc.Close()
+}
