@@ -114,15 +114,7 @@ func (e *Engine) Discard(exts []Extent) error {
 		return nil
 	}
 	if e.Window <= 0 {
-		e.mu.Lock()
-		devs := group(exts)
-		sts := make([]*device, len(devs))
-		for i, p := range devs {
-			sts[i] = e.device(p.dev)
-			sts[i].stats.received(p.in)
-		}
-		errs := e.launch(plan(OpDiscard, devs, e), sts)
-		return joinErrs(sts, errs)
+		return e.DiscardNow(exts)
 	}
 
 	e.mu.Lock()
@@ -162,6 +154,26 @@ func (e *Engine) Discard(exts []Extent) error {
 	}
 	<-b.done
 	return joinErrs(mine, func(st *device) error { return b.errs[st] })
+}
+
+// DiscardNow is Discard without waiting for other trims to batch with:
+// the extents are sorted, merged and issued at once. It is for the pieces
+// of a long trim that has more to come (nbdtarget walks a long range in
+// pieces and waits for each), where a batching window would only add its
+// length to every piece.
+func (e *Engine) DiscardNow(exts []Extent) error {
+	if e.Baseline {
+		return e.discardEach(exts)
+	}
+	e.mu.Lock()
+	devs := group(exts)
+	sts := make([]*device, len(devs))
+	for i, p := range devs {
+		sts[i] = e.device(p.dev)
+		sts[i].stats.received(p.in)
+	}
+	errs := e.launch(plan(OpDiscard, devs, e), sts)
+	return joinErrs(sts, errs)
 }
 
 // seal closes batch b to new trims and issues it; the first caller does the

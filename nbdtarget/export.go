@@ -96,10 +96,19 @@ func (r *extentReader) read(e table.Extent) bool {
 // otherwise by reading through buf and dropping the data. It fails where a
 // read would.
 func (x *Export) Cache(off, n int64, buf []byte) error {
-	return x.walk(off, n, nil, func(exts []discard.Extent) error {
-		for _, e := range exts {
-			if err := backing.Cache(e.Dev, e.Off, e.Len, buf); err != nil {
-				return err
+	return x.cache(off, n, buf, nil)
+}
+
+func (x *Export) cache(off, n int64, buf []byte, exts []discard.Extent) error {
+	return x.walk(off, n, exts, func(exts []discard.Extent, _ bool) error {
+		// Sorted and merged per device, as a zeroing would be: a piece
+		// of a table whose segments alternate between two files is then
+		// two calls, not a thousand.
+		for _, dp := range discard.PlanZero(exts).Devices {
+			for _, r := range dp.Calls {
+				if err := backing.Cache(dp.Dev, r.Off, r.Len, buf); err != nil {
+					return err
+				}
 			}
 		}
 		return nil
@@ -161,12 +170,19 @@ func (x *Export) WriteZeroes(off, n int64, mayPunch, fast, fua bool) error {
 
 // trim is Trim with scratch space for the walk (see walk).
 func (x *Export) trim(off, n int64, fua bool, exts []discard.Extent) error {
-	err := x.walk(off, n, exts, x.Discard.Discard)
+	err := x.walk(off, n, exts, func(exts []discard.Extent, more bool) error {
+		if more {
+			// Other trims could only join this piece by holding up the
+			// rest of the request: issue it at once.
+			return x.Discard.DiscardNow(exts)
+		}
+		return x.Discard.Discard(exts)
+	})
 	return x.fua(fua, err)
 }
 
 func (x *Export) writeZeroes(off, n int64, mayPunch, fast, fua bool, exts []discard.Extent) error {
-	err := x.walk(off, n, exts, func(exts []discard.Extent) error {
+	err := x.walk(off, n, exts, func(exts []discard.Extent, _ bool) error {
 		for _, e := range exts {
 			x.Discard.Claim(e.Dev, e.Off, e.Len)
 		}
@@ -188,9 +204,10 @@ func (x *Export) fua(fua bool, err error) error {
 // walk covers [off, off+n) with device extents (Table.Cover: any order,
 // adjacent pieces joined), dropping zero-target parts and failing on
 // error-target parts, and hands them to fn in pieces of at most
-// WalkExtents, reusing exts's storage (which may be nil). Pieces before an
-// error target have been handed over when walk fails on it.
-func (x *Export) walk(off, n int64, exts []discard.Extent, fn func([]discard.Extent) error) error {
+// WalkExtents, reusing exts's storage (which may be nil); more says that
+// another piece may follow. Pieces before an error target have been handed
+// over when walk fails on it.
+func (x *Export) walk(off, n int64, exts []discard.Extent, fn func(exts []discard.Extent, more bool) error) error {
 	if cap(exts) < WalkExtents {
 		exts = make([]discard.Extent, 0, WalkExtents)
 	}
@@ -201,7 +218,7 @@ func (x *Export) walk(off, n int64, exts []discard.Extent, fn func([]discard.Ext
 		case table.KindMapped:
 			exts = append(exts, discard.Extent{Dev: e.Dev, Off: e.Off, Len: e.Len})
 			if len(exts) == WalkExtents {
-				err = fn(exts)
+				err = fn(exts, true)
 				exts = exts[:0]
 			}
 		case table.KindError:
@@ -210,7 +227,7 @@ func (x *Export) walk(off, n int64, exts []discard.Extent, fn func([]discard.Ext
 		return err == nil
 	})
 	if err == nil && len(exts) > 0 {
-		err = fn(exts)
+		err = fn(exts, false)
 	}
 	return err
 }

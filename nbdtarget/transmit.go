@@ -419,7 +419,7 @@ func (c *conn) exec(j *job) error {
 			return nil
 		}
 		j.setBuf(int(min(n, cacheBuf)))
-		return x.Cache(off, n, j.buf)
+		return x.cache(off, n, j.buf, j.walkScratch())
 	case cmdBlockStatus:
 		limit := maxExtents
 		if r.Flags&cfReqOne != 0 {
