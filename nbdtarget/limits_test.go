@@ -314,3 +314,61 @@ func TestClientThatStopsReadingIsClosed(t *testing.T) {
 		t.Fatalf("read on a new connection: handle %d errno %d", h, errno)
 	}
 }
+
+// TestLongWalksReachEveryExtent trims, zeroes and caches a table of 3,000
+// one-sector segments alternating between two devices, so that each
+// request is walked in several pieces: every device byte the table maps is
+// reached exactly once, and in few calls (each piece merges per device).
+func TestLongWalksReachEveryExtent(t *testing.T) {
+	const segs = 3000
+	a := backing.NewRecorder(backing.NewMem("a", segs/2*512))
+	b := backing.NewRecorder(backing.NewMem("b", segs/2*512))
+	var layout []seg
+	for i := range segs {
+		dev := backing.Device(a)
+		if i%2 == 1 {
+			dev = b
+		}
+		layout = append(layout, seg{len: 512, dev: dev, off: int64(i/2) * 512})
+	}
+	srv := &Server{Exports: []*Export{newExport(t, "w", layout...)}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	c := dialRaw(t, sock)
+	c.connect("w", false, false)
+	for _, tc := range []struct {
+		typ uint16
+		op  backing.Op
+	}{{cmdTrim, backing.OpDiscard}, {cmdWriteZeroes, backing.OpZero}} {
+		a.Reset()
+		b.Reset()
+		c.request(tc.typ, 0, 1, 0, segs*512, nil)
+		if h, errno, _ := c.simple(0); h != 1 || errno != 0 {
+			t.Fatalf("op %d: handle %d errno %d", tc.typ, h, errno)
+		}
+		for _, r := range []*backing.Recorder{a, b} {
+			calls := r.Calls(tc.op)
+			var covered int64
+			for i, call := range calls {
+				if call.Off != covered {
+					t.Fatalf("%s %s: call %d at %d, want %d (calls %v)", r.Name(), tc.op, i, call.Off, covered, calls)
+				}
+				covered += call.Len
+			}
+			want := int64(segs / 2 * 512)
+			if tc.op == backing.OpDiscard {
+				// Trims are cut inward to the device's granularity.
+				want -= want % r.Limits().Granularity
+			}
+			if covered != want {
+				t.Fatalf("%s %s: %d bytes reached, want %d", r.Name(), tc.op, covered, want)
+			}
+			if pieces := (segs + WalkExtents - 1) / WalkExtents; len(calls) > pieces {
+				t.Fatalf("%s %s: %d calls for %d pieces", r.Name(), tc.op, len(calls), pieces)
+			}
+		}
+	}
+	c.request(cmdCache, 0, 2, 0, segs*512, nil)
+	if h, errno, _ := c.simple(0); h != 2 || errno != 0 {
+		t.Fatalf("cache: handle %d errno %d", h, errno)
+	}
+}
