@@ -92,9 +92,10 @@ func (r *extentReader) read(e table.Extent) bool {
 }
 
 // Cache asks the backing devices to bring [off, off+n) into their caches
-// (the page cache, for files): natively where a device can (readahead),
-// otherwise by reading through buf and dropping the data. It fails where a
-// read would.
+// (the page cache, for files): natively where a device can (readahead,
+// which returns before the data is read, so an unreadable block shows only
+// on a later read), otherwise by reading through buf and dropping the data,
+// which fails where a read would. Error targets fail it either way.
 func (x *Export) Cache(off, n int64, buf []byte) error {
 	return x.cache(off, n, buf, nil)
 }
