@@ -82,6 +82,10 @@ type Server struct {
 	mem      *semaphore.Weighted
 	counters serverCounters
 
+	ticks     atomic.Int64 // advanced by watchReplies every ReplyTimeout/4
+	watchOnce sync.Once
+	stopWatch chan struct{}
+
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
 	conns     map[*conn]struct{}
@@ -99,7 +103,32 @@ func (s *Server) init() {
 			s.Logger = slog.New(slog.DiscardHandler)
 		}
 		s.mem = semaphore.NewWeighted(s.memory())
+		s.stopWatch = make(chan struct{})
 	})
+}
+
+// watchReplies closes connections that have been writing one hold of
+// replies for ReplyTimeout: their clients stopped reading. It ticks four
+// times per ReplyTimeout and closes a connection once five ticks have
+// passed since its write began, so between ReplyTimeout and 1.25 times it.
+func (s *Server) watchReplies() {
+	t := time.NewTicker(s.replyTimeout() / 4)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stopWatch:
+			return
+		case <-t.C:
+		}
+		now := s.ticks.Add(1)
+		s.mu.Lock()
+		for c := range s.conns {
+			if since := c.writeSince.Load(); since != 0 && now-(since-1) >= 5 {
+				c.replyStuck()
+			}
+		}
+		s.mu.Unlock()
+	}
 }
 
 // Defaults for the Server's limits.
@@ -181,6 +210,7 @@ func (s *Server) Serve(l net.Listener) error {
 	}
 	s.listeners[l] = struct{}{}
 	s.mu.Unlock()
+	s.watchOnce.Do(func() { go s.watchReplies() })
 	defer func() {
 		s.mu.Lock()
 		delete(s.listeners, l)
@@ -274,7 +304,11 @@ func (s *Server) dropConn(c *conn) {
 // connections and returns. If ctx ends first, connections are closed at once
 // and ctx's error is returned.
 func (s *Server) Shutdown(ctx context.Context) error {
+	s.init()
 	s.mu.Lock()
+	if !s.closing {
+		close(s.stopWatch)
+	}
 	s.closing = true
 	for l := range s.listeners {
 		l.Close()

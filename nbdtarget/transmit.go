@@ -70,6 +70,7 @@ type conn struct {
 	werr    error        // first write error; later replies are dropped
 
 	stopped       atomic.Bool
+	writeSince    atomic.Int64 // Server.ticks+1 when the current write began; 0 when not writing
 	replyTimedOut atomic.Bool
 }
 
@@ -619,7 +620,7 @@ func (c *conn) readStream(j *job) {
 		_, c.werr = c.bw.Write(j.out)
 	}
 	for c.werr == nil {
-		c.armWrite()
+		c.writing()
 		_, c.werr = c.bw.Write(p)
 		off += int64(len(p))
 		if c.werr != nil || off == end {
@@ -649,19 +650,32 @@ func (c *conn) send(hdr, data []byte) {
 	}
 }
 
-// lockSend starts a hold of the write lock, with the write deadline armed.
+// lockSend starts a hold of the write lock.
 func (c *conn) lockSend() {
 	c.pending.Add(1)
 	c.wmu.Lock()
-	c.armWrite()
+	c.writing()
 }
 
-// armWrite gives the writes that follow ReplyTimeout to complete. A client
-// that stops taking its replies is closed when it runs out, so that the
-// memory its requests hold comes back instead of staying pinned behind
-// replies it will never read.
-func (c *conn) armWrite() {
-	c.nc.SetWriteDeadline(time.Now().Add(c.srv.replyTimeout()))
+// writing notes that the connection is writing replies from now on, for
+// the server's watch on clients that stop taking them (watchReplies). It
+// costs an atomic load and store, where a write deadline per reply would
+// cost a timer update.
+func (c *conn) writing() {
+	c.writeSince.Store(c.srv.ticks.Load() + 1)
+}
+
+// replyStuck closes a connection whose client has taken none of its
+// replies for ReplyTimeout, so that the memory its requests hold comes
+// back instead of staying pinned behind replies it will never read. The
+// blocked write then fails, and the connection winds down as for any
+// failed write.
+func (c *conn) replyStuck() {
+	if c.replyTimedOut.CompareAndSwap(false, true) {
+		c.srv.counters.replyTimeouts.Add(1)
+		c.log.Warn("nbd client stopped reading its replies: closing the connection", "timeout", c.srv.replyTimeout())
+		c.nc.Close()
+	}
 }
 
 // unlockSend ends a hold of the write lock: the last reply out flushes,
@@ -670,16 +684,13 @@ func (c *conn) unlockSend() {
 	if c.pending.Add(-1) == 0 && c.werr == nil {
 		c.werr = c.bw.Flush()
 	}
+	c.writeSince.Store(0)
 	failed := c.werr
 	c.wmu.Unlock()
 	if failed != nil {
 		// The client is gone or stuck, or a reply broke off: wake the
 		// reader so the connection winds down; the other connections are
 		// not affected.
-		if errors.Is(failed, os.ErrDeadlineExceeded) && c.replyTimedOut.CompareAndSwap(false, true) {
-			c.srv.counters.replyTimeouts.Add(1)
-			c.log.Warn("nbd client stopped reading its replies: closing the connection", "timeout", c.srv.replyTimeout())
-		}
 		c.nc.Close()
 	}
 }
