@@ -447,6 +447,5 @@ func zeroOrWrite(d backing.Device, off, n int64) error {
 	if !errors.Is(err, backing.ErrNotSupported) {
 		return err
 	}
-	_, err = d.WriteAt(make([]byte, n), off)
-	return err
+	return backing.WriteZeros(d, off, n)
 }
