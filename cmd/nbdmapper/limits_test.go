@@ -163,16 +163,7 @@ func TestServeSurvivesDescriptorExhaustion(t *testing.T) {
 	writeFile(t, filepath.Join(dir, "t.table"), "0 2048 linear a.img 0\n")
 	sock := filepath.Join(dir, "nbd.sock")
 	// ulimit -n sets the hard limit too, so the Go runtime cannot raise it.
-	cmd := exec.Command("sh", "-c", `ulimit -n 32 && exec "$0" serve --socket nbd.sock --metrics off --handshake-timeout 1h t=t.table`, bin)
-	cmd.Dir = dir
-	var stderr nbdtest.SyncBuffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() { cmd.Process.Kill(); <-exited })
+	stderr, exited := startUnder(t, dir, `ulimit -n 32 && exec "$0" serve --socket nbd.sock --metrics off --handshake-timeout 1h t=t.table`)
 	waitUnix(t, sock, exited)
 
 	var idle []net.Conn
@@ -204,6 +195,27 @@ func TestServeSurvivesDescriptorExhaustion(t *testing.T) {
 	if err != nil || strings.TrimSpace(string(out)) != "1048576" {
 		t.Fatalf("nbdinfo after exhaustion: %v %s\n%s", err, out, stderr.String())
 	}
+}
+
+// startUnder runs `sh -c script` in dir with the nbdmapper binary as $0,
+// for what must be set up just before serve starts (a ulimit, systemd's
+// LISTEN_* variables), with files as fds 3, 4, ... It returns serve's
+// standard error and a channel that gets how it exited; serve is killed
+// when the test ends.
+func startUnder(t *testing.T, dir, script string, files ...*os.File) (*nbdtest.SyncBuffer, chan error) {
+	t.Helper()
+	cmd := exec.Command("sh", "-c", script, bin)
+	cmd.Dir = dir
+	cmd.ExtraFiles = files
+	stderr := new(nbdtest.SyncBuffer)
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { cmd.Process.Kill() })
+	return stderr, exited
 }
 
 // waitUnix waits until a unix socket accepts, or fails if the process
@@ -384,17 +396,8 @@ func TestFailedListenerExitsNonZero(t *testing.T) {
 	}
 	defer lf.Close()
 	// LISTEN_PID must be serve's own pid: the shell's, which exec keeps.
-	cmd := exec.Command("sh", "-c", `LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=nbd exec "$0" serve --metrics off t=t.table`, bin)
-	cmd.Dir = dir
-	cmd.ExtraFiles = []*os.File{lf} // fd 3, where LISTEN_FDS starts
-	var stderr nbdtest.SyncBuffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() { cmd.Process.Kill() })
+	// The listener becomes fd 3, where LISTEN_FDS starts.
+	stderr, exited := startUnder(t, dir, `LISTEN_PID=$$ LISTEN_FDS=1 LISTEN_FDNAMES=nbd exec "$0" serve --metrics off t=t.table`, lf)
 	out, err := exec.Command(nbdtest.Tool(t, "nbdinfo"), "--size", nbdtest.URI(sock, "t")).CombinedOutput()
 	if err != nil || strings.TrimSpace(string(out)) != "1048576" {
 		t.Fatalf("nbdinfo through the passed socket: %v %s\n%s", err, out, stderr.String())
