@@ -17,6 +17,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -44,7 +45,7 @@ func serveNbdmapper(t *testing.T) string {
 		if err != nil {
 			t.Fatal(err)
 		}
-		exports = append(exports, &nbdtarget.Export{Name: x.name, Table: tb, Flush: flush.New(), Discard: discard.New()})
+		exports = append(exports, &nbdtarget.Export{Name: x.name, Dev: mapped.New(x.name, tb, flush.New(), discard.New())})
 	}
 	sock := filepath.Join(dir, "nbd.sock")
 	l, err := net.Listen("unix", sock)

@@ -16,7 +16,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
-	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -39,7 +39,7 @@ func interleavedTable(names [2]string) string {
 }
 
 type rig struct {
-	x    *nbdtarget.Export
+	x    *mapped.Device
 	eng  *discard.Engine
 	recs [2]*backing.Recorder
 	devs [2]backing.Device // what the table maps to (wrappers included)
@@ -89,13 +89,13 @@ func fileRig(t *testing.T, eng *discard.Engine) *rig {
 	return rg
 }
 
-func export(t *testing.T, text string, open table.Opener, eng *discard.Engine) *nbdtarget.Export {
+func export(t *testing.T, text string, open table.Opener, eng *discard.Engine) *mapped.Device {
 	t.Helper()
 	tb, err := table.Parse("interleaved.table", strings.NewReader(text), open)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &nbdtarget.Export{Name: "x", Table: tb, Flush: flush.New(), Discard: eng}
+	return mapped.New("x", tb, flush.New(), eng)
 }
 
 func engine(window time.Duration, maxRanges int) *discard.Engine {
@@ -117,11 +117,11 @@ func discards(r *backing.Recorder) []backing.Range {
 }
 
 // fill writes one marked block at the start of every segment.
-func fill(t *testing.T, x *nbdtarget.Export) {
+func fill(t *testing.T, x *mapped.Device) {
 	t.Helper()
 	blk := bytes.Repeat([]byte{0xaa}, 4096)
 	for i := range segs {
-		if err := x.WriteAt(blk, int64(i)*segLen, false); err != nil {
+		if err := x.Write(blk, int64(i)*segLen, false); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -265,7 +265,7 @@ func TestWriteAfterPendingTrimKept(t *testing.T) {
 
 	data := bytes.Repeat([]byte{0x5c}, 8192)
 	woff := int64(2*segLen + 4096) // virtual segment 2 = device a at segLen
-	if err := rg.x.WriteAt(data, woff, false); err != nil {
+	if err := rg.x.Write(data, woff, false); err != nil {
 		t.Fatal(err)
 	}
 	// A ninth range fills the batch (MaxRanges 9) and issues it.
@@ -277,7 +277,7 @@ func TestWriteAfterPendingTrimKept(t *testing.T) {
 	}
 
 	got := make([]byte, len(data))
-	if err := rg.x.ReadAt(got, woff); err != nil {
+	if _, err := rg.x.Read(got, woff); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(got, data) {
@@ -346,7 +346,7 @@ func TestWriteWaitsForIssuedDiscard(t *testing.T) {
 
 	data := bytes.Repeat([]byte{0x33}, 4096)
 	written := make(chan error, 1)
-	go func() { written <- rg.x.WriteAt(data, 4096, false) }()
+	go func() { written <- rg.x.Write(data, 4096, false) }()
 	// Give a wrong implementation the chance to write now; then let the
 	// discard finish.
 	time.Sleep(20 * time.Millisecond)
@@ -358,7 +358,7 @@ func TestWriteWaitsForIssuedDiscard(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := make([]byte, len(data))
-	if err := rg.x.ReadAt(got, 4096); err != nil {
+	if _, err := rg.x.Read(got, 4096); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(got, data) {
@@ -389,13 +389,13 @@ func TestWriteRacingTrimKeepsData(t *testing.T) {
 			time.Sleep(time.Duration(i%7) * 30 * time.Microsecond)
 		}
 		woff := off + int64(i%16)*4096
-		if err := rg.x.WriteAt(data, woff, false); err != nil {
+		if err := rg.x.Write(data, woff, false); err != nil {
 			t.Fatal(err)
 		}
 		if err := <-trimmed; err != nil {
 			t.Fatal(err)
 		}
-		if err := rg.x.ReadAt(got, woff); err != nil {
+		if _, err := rg.x.Read(got, woff); err != nil {
 			t.Fatal(err)
 		}
 		if !bytes.Equal(got, data) {
@@ -507,7 +507,7 @@ func TestWriteZeroes(t *testing.T) {
 				t.Fatalf("WriteZeroes = %v, want %v", err, tc.wantErr)
 			}
 			buf := make([]byte, 6*segLen)
-			if err := rg.x.ReadAt(buf, 0); err != nil {
+			if _, err := rg.x.Read(buf, 0); err != nil {
 				t.Fatal(err)
 			}
 			if isZero := !bytes.ContainsFunc(buf, func(r rune) bool { return r != 0 }); isZero != tc.wantZero {

@@ -11,13 +11,15 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
 
 // serve runs the real server for x on a unix socket and returns an NBD URI
 // for libnbd.
-func serve(t *testing.T, x *nbdtarget.Export) string {
+func serve(t *testing.T, d *mapped.Device) string {
 	t.Helper()
+	x := &nbdtarget.Export{Name: d.DeviceName(), Dev: d}
 	srv := &nbdtarget.Server{Exports: []*nbdtarget.Export{x}}
 	return nbdtest.URI(nbdtest.ServeUnix(t, srv, nbdtarget.ErrServerClosed), x.Name)
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 	"golang.org/x/sys/unix"
@@ -66,7 +67,7 @@ func TestDurabilityCrash(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		x := &nbdtarget.Export{Table: tab, Flush: engine, Discard: discard.New()}
+		x := &nbdtarget.Export{Dev: mapped.New("x", tab, engine, discard.New())}
 		srv := &nbdtarget.Server{Exports: []*nbdtarget.Export{x}}
 		socket := filepath.Join(t.TempDir(), "nbd.sock")
 		l, err := net.Listen("unix", socket)
@@ -95,7 +96,7 @@ func TestDurabilityCrash(t *testing.T) {
 		srv.Shutdown(ctx)
 
 		durable := m.check(t, func(block int, p []byte) {
-			if err := x.ReadAt(p, int64(block*blockSize)); err != nil {
+			if _, err := x.Dev.Read(p, int64(block*blockSize)); err != nil {
 				t.Fatal(err)
 			}
 		})

@@ -13,6 +13,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/fault"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -47,7 +48,7 @@ func TestProtocolFailedFUAWrite(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			x := &nbdtarget.Export{Table: tab, Flush: engine, Discard: discard.New()}
+			x := &nbdtarget.Export{Dev: mapped.New("x", tab, engine, discard.New())}
 			srv := &nbdtarget.Server{Exports: []*nbdtarget.Export{x}}
 			socket := filepath.Join(t.TempDir(), "nbd.sock")
 			l, err := net.Listen("unix", socket)

@@ -175,9 +175,9 @@ func newStatsCollector(cfg Config, devices []string, version string) *statsColle
 	}
 	devSize := make(map[string]int64)
 	for _, x := range cfg.Server.Exports {
-		gauge(descExportSize, float64(x.Table.Size()), x.Name)
+		gauge(descExportSize, float64(x.Size()), x.Name)
 		bytype := make(map[string]int)
-		for _, l := range x.Table.Lines {
+		for _, l := range x.Dev.Table().Lines {
 			bytype[l.Target.Type()]++
 		}
 		types := table.Targets()
@@ -189,7 +189,7 @@ func newStatsCollector(cfg Config, devices []string, version string) *statsColle
 		for _, t := range types {
 			gauge(descExportSegments, float64(bytype[t]), x.Name, t)
 		}
-		devs := x.Table.Devices()
+		devs := x.Dev.Table().Devices()
 		gauge(descExportDevices, float64(len(devs)), x.Name)
 		for _, d := range devs {
 			devSize[d.Name()] = d.Size()

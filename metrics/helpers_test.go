@@ -17,6 +17,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -84,7 +85,7 @@ func startRigWeb(t *testing.T, webConfig string) *rig {
 			t.Fatalf("table %s: %v", x.name, err)
 		}
 		exports = append(exports, &nbdtarget.Export{
-			Name: x.name, Table: tb, Flush: r.flush, Discard: r.discard,
+			Name: x.name, Dev: mapped.New(x.name, tb, r.flush, r.discard),
 		})
 	}
 	r.server = &nbdtarget.Server{Exports: exports}

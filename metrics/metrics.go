@@ -191,7 +191,7 @@ func deviceNames(cfg Config) []string {
 	var names []string
 	seen := make(map[string]bool)
 	for _, x := range cfg.Server.Exports {
-		for _, d := range x.Table.Devices() {
+		for _, d := range x.Dev.Table().Devices() {
 			if n := d.Name(); !seen[n] {
 				seen[n] = true
 				names = append(names, n)

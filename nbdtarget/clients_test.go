@@ -16,6 +16,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -91,10 +92,10 @@ func newDiskFix(t *testing.T) *diskFix {
 		}
 		return tb
 	}
-	disk := &Export{Name: "disk", Description: "test disk", Table: parse("disk", fmt.Sprintf(diskTable, f.files["A"], f.files["B"])),
-		Flush: flush.New(), Discard: discard.New()}
-	ro := &Export{Name: "ro", Table: parse("ro", "0 2048 linear "+f.files["A"]+" 0\n"), ReadOnly: true,
-		Flush: flush.New(), Discard: discard.New()}
+	disk := &Export{Name: "disk", Description: "test disk",
+		Dev: mapped.New("disk", parse("disk", fmt.Sprintf(diskTable, f.files["A"], f.files["B"])), flush.New(), discard.New())}
+	ro := &Export{Name: "ro", ReadOnly: true,
+		Dev: mapped.New("ro", parse("ro", "0 2048 linear "+f.files["A"]+" 0\n"), flush.New(), discard.New())}
 	f.srv = &Server{Exports: []*Export{disk, ro}}
 	f.sock = nbdtest.ServeUnix(t, f.srv, ErrServerClosed)
 	return f

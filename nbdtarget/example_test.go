@@ -18,6 +18,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -45,7 +46,7 @@ func Example() {
 	}
 	defer t.Close()
 	srv := &nbdtarget.Server{Exports: []*nbdtarget.Export{
-		{Name: "example", Table: t, Flush: flush.New(), Discard: discard.New()},
+		{Name: "example", Dev: mapped.New("example", t, flush.New(), discard.New())},
 	}}
 	sock := filepath.Join(dir, "nbd.sock")
 	l, err := net.Listen("unix", sock)

@@ -11,6 +11,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -72,7 +73,7 @@ func newExport(t testing.TB, name string, segs ...seg) *Export {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Export{Name: name, Table: tb, Flush: flush.New(), Discard: discard.New()}
+	return &Export{Name: name, Dev: mapped.New(name, tb, flush.New(), discard.New())}
 }
 
 // sparseFile creates a sparse file of size bytes and opens it through pool.

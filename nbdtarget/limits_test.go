@@ -18,6 +18,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/mapped"
 )
 
 // waitFor polls cond until it holds; the bound only turns a hang into a
@@ -362,7 +363,7 @@ func TestLongWalksReachEveryExtent(t *testing.T) {
 			if covered != want {
 				t.Fatalf("%s %s: %d bytes reached, want %d", r.Name(), tc.op, covered, want)
 			}
-			if pieces := (segs + WalkExtents - 1) / WalkExtents; len(calls) > pieces {
+			if pieces := (segs + mapped.WalkExtents - 1) / mapped.WalkExtents; len(calls) > pieces {
 				t.Fatalf("%s %s: %d calls for %d pieces", r.Name(), tc.op, len(calls), pieces)
 			}
 		}

@@ -18,7 +18,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/mapped"
 )
 
 // conn is one client connection. Its transmission phase runs on a
@@ -212,14 +212,12 @@ const (
 	// streamPiece is the buffer a READ or WRITE longer than MaxPayload is
 	// moved through, piece by piece, instead of being held whole.
 	streamPiece = 4 << 20
-	// walkCost covers a trim, zeroing or cache request's working set:
-	// WalkExtents extents, the discard engine's copies and plans of them,
-	// and a cacheBuf for devices that cannot read ahead natively.
-	walkCost = WalkExtents*256 + cacheBuf
-	cacheBuf = 128 << 10
+	// walkCost covers a trim, zeroing or cache request's working set: the
+	// device's walk.
+	walkCost = mapped.WalkMemory
 	// blockStatusCost covers a block status request: the reply's
-	// descriptors and one Holes answer (at most holeQuery/4 KiB ranges).
-	blockStatusCost = maxExtents*(8+16) + holeQuery/4096*16
+	// descriptors and one Holes answer.
+	blockStatusCost = maxExtents*(8+16) + mapped.HolesMemory
 	// maxCost is the most any request is charged.
 	maxCost = requestBase + MaxPayload
 )
@@ -305,7 +303,7 @@ func (c *conn) writeStream(j *job) error {
 			return err
 		}
 		if j.errno == 0 {
-			c.protect(j, func() error { return c.x.WriteAt(p, off, r.Flags&cfFUA != 0) })
+			c.protect(j, func() error { return c.x.Dev.Write(p, off, r.Flags&cfFUA != 0) })
 		}
 		off += int64(len(p))
 		left -= int64(len(p))
@@ -377,7 +375,7 @@ func (c *conn) protect(j *job, fn func() error) {
 	}()
 	if err := fn(); err != nil && j.errno == 0 {
 		r := &j.req
-		j.errno = errnoOf(err, r.Type == cmdWriteZeroes && r.Flags&cfFastZero != 0)
+		j.errno = errnoOf(err, r)
 		j.msg = errMessage(j.errno)
 		c.log.Debug("nbd request failed", "op", Ops[r.Type], "offset", r.Offset, "length", r.Length, "errno", j.errno, "err", err)
 	}
@@ -395,39 +393,38 @@ func (c *conn) exec(j *job) error {
 		}
 		j.setBuf(int(n))
 		var err error
-		j.errOff, err = x.readAt(j.buf, off)
+		j.errOff, err = x.Dev.Read(j.buf, off)
 		j.hasErrOff = err != nil
 		return err
 	case cmdWrite:
 		if n == 0 {
 			return nil
 		}
-		return x.WriteAt(j.buf, off, fua)
+		return x.Dev.Write(j.buf, off, fua)
 	case cmdFlush:
-		return x.FlushAll()
+		return x.Dev.Flush()
 	case cmdTrim:
 		if n == 0 {
 			return nil
 		}
-		return x.trim(off, n, fua, j.walkScratch())
+		return x.Dev.Trim(off, n, fua)
 	case cmdWriteZeroes:
 		if n == 0 {
 			return nil
 		}
-		return x.writeZeroes(off, n, r.Flags&cfNoHole == 0, r.Flags&cfFastZero != 0, fua, j.walkScratch())
+		return x.Dev.WriteZeroes(off, n, r.Flags&cfNoHole == 0, r.Flags&cfFastZero != 0, fua)
 	case cmdCache:
 		if n == 0 {
 			return nil
 		}
-		j.setBuf(int(min(n, cacheBuf)))
-		return x.cache(off, n, j.buf, j.walkScratch())
+		return x.Dev.Cache(off, n)
 	case cmdBlockStatus:
 		limit := maxExtents
 		if r.Flags&cfReqOne != 0 {
 			limit = 1
 		}
 		var err error
-		j.bs, err = x.blockStatus(off, n, limit, j.bs[:0])
+		j.bs, err = x.Dev.BlockStatus(off, n, limit, j.bs[:0])
 		return err
 	}
 	return nil
@@ -507,16 +504,23 @@ func (c *conn) check(r *request) (uint32, string) {
 	return 0, ""
 }
 
-// errnoOf maps an error from an Export operation to the NBD error sent to
-// the client; it is the only such mapping. fastZero says the request was a
-// WRITE_ZEROES with FAST_ZERO, the only request that may fail with ENOTSUP.
-// Error targets (table.ErrTarget), short reads and I/O errors are EIO.
-func errnoOf(err error, fastZero bool) uint32 {
+// errnoOf maps an error from a device operation to the NBD error sent to
+// the client for request r; it is the only such mapping. Only WRITE_ZEROES
+// with FAST_ZERO may fail with ENOTSUP. A range past the end of a device
+// that shrank since the request was validated gets the spec's errno for
+// that: ENOSPC for writes, EINVAL for the rest. Error targets
+// (table.ErrTarget), short reads and I/O errors are EIO.
+func errnoOf(err error, r *request) uint32 {
 	switch {
 	case err == nil:
 		return 0
+	case errors.Is(err, mapped.ErrBeyondEnd):
+		if r.Type == cmdWrite || r.Type == cmdWriteZeroes {
+			return ENOSPC
+		}
+		return EINVAL
 	case errors.Is(err, backing.ErrNotSupported) || errors.Is(err, syscall.EOPNOTSUPP):
-		if fastZero {
+		if r.Type == cmdWriteZeroes && r.Flags&cfFastZero != 0 {
 			return ENOTSUP
 		}
 		return EIO
@@ -577,7 +581,7 @@ func (c *conn) readStream(j *job) {
 		p := j.buf[:min(end-off, streamPiece)]
 		c.protect(j, func() error {
 			var err error
-			j.errOff, err = c.x.readAt(p, off)
+			j.errOff, err = c.x.Dev.Read(p, off)
 			j.hasErrOff = err != nil
 			return err
 		})
@@ -711,9 +715,8 @@ type job struct {
 	errOff    int64 // virtual offset of a read error, with hasErrOff
 	hasErrOff bool
 
-	exts []discard.Extent // trim, zeroing and cache walk scratch, reused
-	bs   []BlockExtent    // block status result, reused
-	out  []byte           // encoded reply header, reused
+	bs  []mapped.BlockExtent // block status result, reused
+	out []byte               // encoded reply header, reused
 }
 
 var jobPool = sync.Pool{New: func() any { return &job{out: make([]byte, 0, 64)} }}
@@ -724,19 +727,11 @@ func putJob(j *job) {
 	if j.bufp != nil {
 		putBuf(j.bufp)
 	}
-	*j = job{exts: j.exts[:0], bs: j.bs[:0], out: j.out[:0]}
+	*j = job{bs: j.bs[:0], out: j.out[:0]}
 	jobPool.Put(j)
 }
 
 func (j *job) setBuf(n int) {
 	j.bufp = getBuf(n)
 	j.buf = (*j.bufp)[:n]
-}
-
-// walkScratch is the job's reusable room for Export.walk.
-func (j *job) walkScratch() []discard.Extent {
-	if j.exts == nil {
-		j.exts = make([]discard.Extent, 0, WalkExtents)
-	}
-	return j.exts
 }

@@ -9,6 +9,8 @@ import (
 	"encoding/binary"
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
+
+	"github.com/nbdmapper/nbdmapper/mapped"
 )
 
 // Magics.
@@ -259,7 +261,7 @@ func appendErrorChunk(b []byte, handle uint64, errno uint32, msg string, withOff
 
 // appendBlockStatusChunk appends a final BLOCK_STATUS chunk for one context:
 // u32 context id | {u32 length, u32 flags}...
-func appendBlockStatusChunk(b []byte, handle uint64, id uint32, exts []BlockExtent) []byte {
+func appendBlockStatusChunk(b []byte, handle uint64, id uint32, exts []mapped.BlockExtent) []byte {
 	b = appendChunkHeader(b, handle, replyFlagDone, chunkBlockStatus, uint32(4+8*len(exts)))
 	b = binary.BigEndian.AppendUint32(b, id)
 	for _, e := range exts {

@@ -64,34 +64,3 @@ func ExampleParse() {
 	// virtual 524288+4096: mapped a.img @0
 	// virtual 528384+3072: mapped b.img @0
 }
-
-// Stack one table on another through /dev/mapper/NAME, and write through
-// the top device: the bytes land in the file under the bottom table.
-func ExampleParseSet() {
-	dir := exampleDisks("disk.img")
-	defer os.RemoveAll(dir)
-	pool := &backing.Pool{}
-	defer pool.Close()
-	tables, err := table.ParseSet([]table.Def{
-		{Name: "top", File: "top.table", Text: strings.NewReader("0 8 linear /dev/mapper/base 16\n")},
-		{Name: "base", File: "base.table", Text: strings.NewReader("0 1024 linear " + dir + "/disk.img 100\n")},
-	}, pool)
-	if err != nil {
-		log.Fatal(err)
-	}
-	top := table.NewDevice("top", tables[0])
-	if _, err := top.WriteAt([]byte("stacked"), 0); err != nil {
-		log.Fatal(err)
-	}
-	for _, t := range tables {
-		t.Close()
-	}
-	b, err := os.ReadFile(filepath.Join(dir, "disk.img"))
-	if err != nil {
-		log.Fatal(err)
-	}
-	off := (100 + 16) * table.SectorSize // base's offset plus top's
-	fmt.Printf("top is %d bytes; disk.img at %d: %q\n", top.Size(), off, b[off:off+7])
-	// Output:
-	// top is 4096 bytes; disk.img at 59392: "stacked"
-}

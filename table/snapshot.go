@@ -76,7 +76,7 @@ func newSnapshot(open Opener, length Sector, args []string) (Target, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 	}
-	return &snapshotTarget{s: s, origin: originName, cow: cowName, devs: flatten(s.Devices())}, nil
+	return &snapshotTarget{s: s, origin: originName, cow: cowName, devs: Flatten(s.Devices())}, nil
 }
 
 type snapshotTarget struct {

@@ -25,7 +25,7 @@ func newSnapshotOrigin(open Opener, length Sector, args []string) (Target, error
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 	}
-	return &originTarget{o: o, name: name, devs: flatten(o.Devices())}, nil
+	return &originTarget{o: o, name: name, devs: Flatten(o.Devices())}, nil
 }
 
 type originTarget struct {

@@ -66,5 +66,5 @@ nbdmapper demo: export %q, %d MiB, %d segments over two sparse files (table: %s)
   nbd-client %s %s /dev/nbd0 -N %s      (as root, with the nbd module loaded)
 
 Ctrl-C stops the server (in-flight requests finish, every backing file is synced).
-`, x.Name, x.Size()>>20, len(x.Table.Lines), tableFile, uri, uri, host, port, x.Name)
+`, x.Name, x.Size()>>20, len(x.Dev.Table().Lines), tableFile, uri, uri, host, port, x.Name)
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -163,23 +164,24 @@ func runServe(args []string) error {
 	if err != nil {
 		return err
 	}
-	tables, err := table.ParseSet(defs, pool)
+	devs, err := table.ParseSet(defs, pool, func(name string, t *table.Table) *mapped.Device {
+		d := mapped.New(name, t, flusher, discarder)
+		d.PerSegmentFlush = sf.flushBaseline == "per-segment"
+		return d
+	})
 	if err != nil {
 		return err
 	}
-	exports := make([]*nbdtarget.Export, len(tables))
-	for i, t := range tables {
-		defer t.Close()
+	exports := make([]*nbdtarget.Export, len(devs))
+	for i, d := range devs {
+		defer d.Close()
 		exports[i] = &nbdtarget.Export{
-			Name:            defs[i].Name,
-			Description:     lf.descriptions[defs[i].Name],
-			Table:           t,
-			ReadOnly:        sf.readOnly,
-			Flush:           flusher,
-			Discard:         discarder,
-			PerSegmentFlush: sf.flushBaseline == "per-segment",
+			Name:        defs[i].Name,
+			Description: lf.descriptions[defs[i].Name],
+			Dev:         d,
+			ReadOnly:    sf.readOnly,
 		}
-		log.Info("export", "name", defs[i].Name, "table", defs[i].File, "bytes", t.Size(), "segments", len(t.Lines))
+		log.Info("export", "name", defs[i].Name, "table", defs[i].File, "bytes", d.Size(), "segments", len(d.Table().Lines))
 	}
 
 	limitMemory(log, int64(lf.memory))
@@ -196,7 +198,7 @@ func runServe(args []string) error {
 	if err != nil {
 		return err
 	}
-	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, metricsListener, log, srv, flusher, discarder, statusRoutes(exports))
+	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, metricsListener, log, srv, flusher, discarder, statusRoutes(exports, flusher))
 	if err != nil {
 		return err
 	}

@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 
+	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
 
@@ -17,7 +18,7 @@ import (
 // listener: `NAME: <start> <length> <target> <status or args>`. /status
 // also has one line for each failed backing device of an export, after its
 // table's lines: `NAME: failed <device>: <first error>` (see failedLines).
-func statusRoutes(exports []*nbdtarget.Export) map[string]http.Handler {
+func statusRoutes(exports []*nbdtarget.Export, f *flush.Engine) map[string]http.Handler {
 	page := func(lines func(*nbdtarget.Export) string) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "text/plain; charset=utf-8")
@@ -31,26 +32,24 @@ func statusRoutes(exports []*nbdtarget.Export) map[string]http.Handler {
 		})
 	}
 	return map[string]http.Handler{
-		"/status": page(func(x *nbdtarget.Export) string { return x.Table.Status() + failedLines(x) }),
-		"/table":  page(func(x *nbdtarget.Export) string { return x.Table.String() }),
+		"/status": page(func(x *nbdtarget.Export) string { return x.Dev.Table().Status() + failedLines(x, f) }),
+		"/table":  page(func(x *nbdtarget.Export) string { return x.Dev.Table().String() }),
 	}
 }
 
-// failedLines lists the backing devices of x's table that its flush engine
-// has failed, one `failed <device>: <error>` line each: every flush of x
-// fails until the server restarts (docs/flush.md, "Failing devices").
-func failedLines(x *nbdtarget.Export) string {
-	if x.Flush == nil {
-		return ""
-	}
+// failedLines lists the backing devices of x's table that the flush
+// engine f has failed, one `failed <device>: <error>` line each: every
+// flush of x fails until the server restarts (docs/flush.md, "Failing
+// devices").
+func failedLines(x *nbdtarget.Export, f *flush.Engine) string {
 	failed := make(map[string]string)
-	for _, d := range x.Flush.Stats().Devices {
+	for _, d := range f.Stats().Devices {
 		if d.Failed {
 			failed[d.Name] = d.FailedError
 		}
 	}
 	var b strings.Builder
-	for _, d := range x.Table.Devices() {
+	for _, d := range x.Dev.Devices() {
 		if msg, ok := failed[d.Name()]; ok {
 			fmt.Fprintf(&b, "failed %s: %s\n", d.Name(), strings.ReplaceAll(msg, "\n", " "))
 		}

@@ -13,6 +13,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -39,10 +40,10 @@ func TestStatusShowsFailedDevice(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		exports = append(exports, &nbdtarget.Export{Name: x.name, Table: tb, Flush: e, Discard: discard.New()})
+		exports = append(exports, &nbdtarget.Export{Name: x.name, Dev: mapped.New(x.name, tb, e, discard.New())})
 	}
 	mux := http.NewServeMux()
-	for path, h := range statusRoutes(exports) {
+	for path, h := range statusRoutes(exports, e) {
 		mux.Handle(path, h)
 	}
 	srv := httptest.NewServer(mux)
@@ -61,11 +62,11 @@ func TestStatusShowsFailedDevice(t *testing.T) {
 		t.Fatalf("before the failure:\n%q\nwant\n%q", got, healthy)
 	}
 
-	if err := exports[0].WriteAt(make([]byte, 2<<20), 0, false); err != nil { // a and b
+	if err := exports[0].Dev.Write(make([]byte, 1<<20), 0, false); err != nil { // a and b
 		t.Fatal(err)
 	}
 	faulty[b].FailSync(unix.EIO)
-	if err := exports[0].FlushAll(); err == nil {
+	if err := exports[0].Dev.Flush(); err == nil {
 		t.Fatal("flush over a failing sync succeeded")
 	}
 	faulty[b].FailSync(nil)

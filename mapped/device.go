@@ -1,0 +1,267 @@
+package mapped
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+// ErrBeyondEnd fails a request whose range lies past the end of the active
+// table: the device shrank after the request was validated.
+var ErrBeyondEnd = errors.New("beyond the end of the device")
+
+// Device is a mapped device. Its methods are safe for concurrent use.
+type Device struct {
+	name    string // as dmsetup names it; other tables refer to /dev/mapper/<name>
+	id      backing.ID
+	flush   *flush.Engine
+	discard *discard.Engine
+
+	// PerSegmentFlush makes Flush sync every device once per table line
+	// that uses it, as dm did before Linux 6.11. Benchmark baseline only.
+	PerSegmentFlush bool
+
+	active atomic.Pointer[live]
+
+	// I/O admission: every request adds itself to inFlight, then checks
+	// holding; Suspend sets holding, then waits for inFlight to drain.
+	inFlight atomic.Int64
+	holding  atomic.Bool
+
+	mu        sync.Mutex
+	changed   sync.Cond // inFlight drained, or holding cleared
+	suspended bool
+	since     time.Time    // when the current suspend began
+	inactive  *table.Table // loaded by Load, activated by Resume
+	st        counters     // under mu, except held
+	held      atomic.Int64
+}
+
+// live is an active table and what is derived from it once.
+type live struct {
+	t       *table.Table
+	devs    []backing.Device // the real devices below, each once
+	stacked bool             // some are mapped devices: flatten per flush
+}
+
+type counters struct {
+	suspends, resumes, reloads uint64
+	suspended                  time.Duration
+}
+
+// Mapped devices get IDs no file, block device, backing.Mem or snapshot
+// device has.
+const mappedDev = ^uint64(0) - 2
+
+var mappedIno atomic.Uint64
+
+// New makes the mapped device NAME with table t active. Its flushes and
+// discards go through f and d, which every device of a server shares.
+func New(name string, t *table.Table, f *flush.Engine, d *discard.Engine) *Device {
+	m := &Device{name: name, id: backing.ID{Dev: mappedDev, Ino: mappedIno.Add(1)}, flush: f, discard: d}
+	m.changed.L = &m.mu
+	m.active.Store(newLive(t))
+	return m
+}
+
+func newLive(t *table.Table) *live {
+	devs := t.Devices()
+	l := &live{t: t, devs: table.Flatten(devs)}
+	for _, d := range devs {
+		if _, ok := d.(*Device); ok {
+			l.stacked = true
+		}
+	}
+	return l
+}
+
+// DeviceName is the device's name without /dev/mapper/.
+func (m *Device) DeviceName() string { return m.name }
+
+// Table is the active table.
+func (m *Device) Table() *table.Table { return m.active.Load().t }
+
+// Size is the active table's size in bytes.
+func (m *Device) Size() int64 { return m.active.Load().t.Size() }
+
+// enter admits one request and returns the table it runs on; exit must
+// follow. While the device is suspended the request waits here.
+func (m *Device) enter() *live {
+	for {
+		m.inFlight.Add(1)
+		if !m.holding.Load() {
+			return m.active.Load()
+		}
+		m.exit()
+		m.held.Add(1)
+		m.mu.Lock()
+		for m.holding.Load() {
+			m.changed.Wait()
+		}
+		m.mu.Unlock()
+	}
+}
+
+// exit ends a request admitted by enter, waking a Suspend that waits for
+// the last one.
+func (m *Device) exit() {
+	if m.inFlight.Add(-1) == 0 && m.holding.Load() {
+		m.mu.Lock()
+		m.changed.Broadcast()
+		m.mu.Unlock()
+	}
+}
+
+// admit is enter plus the range check every request makes against the
+// table it got: the protocol edge validated [off, off+n) against the size
+// it saw then, and a reload may have shrunk the device since.
+func (m *Device) admit(off, n int64) (*live, error) {
+	l := m.enter()
+	if size := l.t.Size(); off < 0 || n < 0 || off > size || n > size-off {
+		m.exit()
+		return nil, fmt.Errorf("%w: [%d, %d) of %d bytes", ErrBeyondEnd, off, off+n, size)
+	}
+	return l, nil
+}
+
+// Load holds t as the inactive table, to become active at the next
+// Resume; a table loaded before and not yet activated is closed. t must
+// have been validated completely (table.Parse does).
+func (m *Device) Load(t *table.Table) {
+	m.mu.Lock()
+	old := m.inactive
+	m.inactive = t
+	m.st.reloads++
+	m.mu.Unlock()
+	if old != nil {
+		old.Close()
+	}
+}
+
+// ClearInactive drops a loaded table (dmsetup clear).
+func (m *Device) ClearInactive() {
+	m.mu.Lock()
+	old := m.inactive
+	m.inactive = nil
+	m.mu.Unlock()
+	if old != nil {
+		old.Close()
+	}
+}
+
+// Suspend stops admitting requests, waits for those in flight, and
+// flushes every device below, as dm's suspend does; new requests wait
+// until Resume. Suspending a suspended device does nothing.
+func (m *Device) Suspend() error {
+	m.mu.Lock()
+	if m.suspended {
+		m.mu.Unlock()
+		return nil
+	}
+	m.holding.Store(true)
+	for m.inFlight.Load() > 0 {
+		m.changed.Wait()
+	}
+	m.suspended = true
+	m.since = time.Now()
+	m.st.suspends++
+	m.mu.Unlock()
+	return m.flush.Flush(m.devices(m.active.Load()))
+}
+
+// Resume makes the inactive table active, if one is loaded, and releases
+// the requests held while suspended. Resuming a device that is not
+// suspended with a table loaded suspends it first, as dm does. It reports
+// whether the table changed.
+func (m *Device) Resume() (swapped bool, err error) {
+	m.mu.Lock()
+	needSuspend := !m.suspended && m.inactive != nil
+	m.mu.Unlock()
+	if needSuspend {
+		if err := m.Suspend(); err != nil {
+			return false, err
+		}
+	}
+	m.mu.Lock()
+	var old *table.Table
+	if m.inactive != nil {
+		old = m.active.Swap(newLive(m.inactive)).t
+		m.inactive = nil
+	}
+	if m.suspended {
+		m.st.suspended += time.Since(m.since)
+		m.st.resumes++
+	}
+	m.suspended = false
+	m.holding.Store(false)
+	m.changed.Broadcast()
+	m.mu.Unlock()
+	if old != nil {
+		// Nothing runs on it any more: everything in flight drained at
+		// suspend, and new requests see the new table.
+		if err := old.Close(); err != nil {
+			return true, fmt.Errorf("closing the old table: %w", err)
+		}
+	}
+	return old != nil, nil
+}
+
+// Info is a snapshot of a device's lifecycle state, as `dmsetup info`
+// reports it.
+type Info struct {
+	Name          string
+	Size          int64
+	Suspended     bool
+	InactiveTable bool  // a table is loaded and not yet active
+	InFlight      int64 // requests running on the active table
+	Suspends      uint64
+	Resumes       uint64
+	Reloads       uint64
+	Held          int64         // requests that waited for a resume, ever
+	SuspendedTime time.Duration // total time suspended, the current suspend included
+}
+
+// Info reports the device's state.
+func (m *Device) Info() Info {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	in := Info{
+		Name:          m.name,
+		Size:          m.active.Load().t.Size(),
+		Suspended:     m.suspended,
+		InactiveTable: m.inactive != nil,
+		InFlight:      m.inFlight.Load(),
+		Suspends:      m.st.suspends,
+		Resumes:       m.st.resumes,
+		Reloads:       m.st.reloads,
+		Held:          m.held.Load(),
+		SuspendedTime: m.st.suspended,
+	}
+	if m.suspended {
+		in.SuspendedTime += time.Since(m.since)
+	}
+	return in
+}
+
+// InactiveTable is the table loaded and not yet active, or nil.
+func (m *Device) InactiveTable() *table.Table {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.inactive
+}
+
+// devices are the real devices below l, for a flush: precomputed, unless
+// some are mapped devices, whose tables may have changed since.
+func (m *Device) devices(l *live) []backing.Device {
+	if l.stacked {
+		return table.Flatten(l.t.Devices())
+	}
+	return l.devs
+}

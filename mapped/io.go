@@ -1,0 +1,363 @@
+package mapped
+
+import (
+	"sync"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+// Every request walks the active table once, here. Requests reaching these
+// methods have been validated at the protocol edge against the size the
+// client was told (range, flags, read-only); each is checked again against
+// the table it is admitted to.
+
+// WalkExtents bounds the device extents a trim, zeroing or cache request
+// holds at once, whatever its length: they walk their range in pieces of
+// at most this many extents, and BlockStatus answers for at most this many
+// (a prefix of the range, as NBD allows).
+const WalkExtents = 1024
+
+// Memory a request's walk may hold, for the server's budget.
+const (
+	// WalkMemory covers a trim, zeroing or cache walk: WalkExtents
+	// extents, the discard engine's copies and plans of them, and a
+	// CacheBuffer.
+	WalkMemory = WalkExtents*256 + CacheBuffer
+	// HolesMemory covers one Holes answer inside BlockStatus: at most one
+	// range per 4 KiB block of a holeQuery.
+	HolesMemory = holeQuery / 4096 * 16
+)
+
+// Read fills p from the device at off. On failure it also reports the
+// offset of the extent that failed, for a structured reply's ERROR_OFFSET.
+func (m *Device) Read(p []byte, off int64) (failed int64, err error) {
+	l, err := m.admit(off, int64(len(p)))
+	if err != nil {
+		return off, err
+	}
+	defer m.exit()
+	return readAt(l.t, p, off)
+}
+
+func readAt(t *table.Table, p []byte, off int64) (failed int64, err error) {
+	r := readerPool.Get().(*extentReader)
+	r.p, r.off = p, off
+	t.Map(off, int64(len(p)), r.yield)
+	failed, err = r.failed, r.err
+	*r = extentReader{yield: r.yield}
+	readerPool.Put(r)
+	return failed, err
+}
+
+// extentReader carries readAt's state through Table.Map. It is pooled with
+// its yield func bound once, so a read allocates no closure.
+type extentReader struct {
+	p      []byte
+	off    int64
+	err    error
+	failed int64
+	yield  func(table.Extent) bool
+}
+
+var readerPool = sync.Pool{New: func() any {
+	r := new(extentReader)
+	r.yield = r.read
+	return r
+}}
+
+func (r *extentReader) read(e table.Extent) bool {
+	buf := r.p[e.VOff-r.off : e.VOff-r.off+e.Len]
+	switch e.Kind {
+	case table.KindMapped:
+		_, r.err = e.Dev.ReadAt(buf, e.Off)
+	case table.KindZero:
+		clear(buf)
+	case table.KindError:
+		r.err = table.ErrTarget
+	}
+	if r.err != nil {
+		r.failed = e.VOff
+	}
+	return r.err == nil
+}
+
+// Write writes p to the device at off. With fua it returns only once the
+// written data is durable on every device it touched.
+func (m *Device) Write(p []byte, off int64, fua bool) error {
+	l, err := m.admit(off, int64(len(p)))
+	if err != nil {
+		return err
+	}
+	defer m.exit()
+	return m.writeAt(l.t, p, off, fua)
+}
+
+func (m *Device) writeAt(t *table.Table, p []byte, off int64, fua bool) error {
+	if fua {
+		if handled, err := m.writeFUA(t, p, off); handled {
+			return err
+		}
+	}
+	var err error
+	var touched []backing.Device
+	t.Map(off, int64(len(p)), func(e table.Extent) bool {
+		switch e.Kind {
+		case table.KindMapped:
+			m.discard.Claim(e.Dev, e.Off, e.Len)
+			_, err = e.Dev.WriteAt(p[e.VOff-off:e.VOff-off+e.Len], e.Off)
+			touched = appendUnique(touched, e.Dev)
+		case table.KindError:
+			err = table.ErrTarget
+		}
+		return err == nil
+	})
+	if err == nil && fua {
+		err = m.flush.Flush(touched)
+	}
+	return err
+}
+
+// writeFUA makes a FUA write that lands on a single mapped extent durable
+// by itself (flush.Engine.WriteFUA: RWF_DSYNC where the device can),
+// instead of writing it and syncing the device. handled is false when the
+// write spans several extents or touches a zero or error target; writeAt
+// then writes normally and flushes the devices it touched.
+func (m *Device) writeFUA(t *table.Table, p []byte, off int64) (handled bool, err error) {
+	var ext table.Extent
+	n := 0
+	t.Map(off, int64(len(p)), func(e table.Extent) bool {
+		ext = e
+		n++
+		return n == 1
+	})
+	if n != 1 || ext.Kind != table.KindMapped {
+		return false, nil
+	}
+	m.discard.Claim(ext.Dev, ext.Off, ext.Len)
+	return true, m.flush.WriteFUA(ext.Dev, p, ext.Off)
+}
+
+// Flush makes every write completed before the call durable.
+func (m *Device) Flush() error {
+	l := m.enter()
+	defer m.exit()
+	if m.PerSegmentFlush {
+		var each []backing.Device
+		for _, ln := range l.t.Lines {
+			each = append(each, ln.Target.Devices()...)
+		}
+		return m.flush.SyncEach(each)
+	}
+	return m.flush.Flush(m.devices(l))
+}
+
+// Trim discards [off, off+n): zero targets drop it, error targets fail it.
+func (m *Device) Trim(off, n int64, fua bool) error {
+	l, err := m.admit(off, n)
+	if err != nil {
+		return err
+	}
+	defer m.exit()
+	err = walk(l.t, off, n, func(exts []discard.Extent, more bool) error {
+		if more {
+			// Other trims could only join this piece by holding up the
+			// rest of the request: issue it at once.
+			return m.discard.DiscardNow(exts)
+		}
+		return m.discard.Discard(exts)
+	})
+	return m.fua(l, fua, err)
+}
+
+// WriteZeroes makes [off, off+n) read as zeros; see discard.Engine.Zero.
+func (m *Device) WriteZeroes(off, n int64, mayPunch, fast, fua bool) error {
+	l, err := m.admit(off, n)
+	if err != nil {
+		return err
+	}
+	defer m.exit()
+	err = walk(l.t, off, n, func(exts []discard.Extent, _ bool) error {
+		for _, e := range exts {
+			m.discard.Claim(e.Dev, e.Off, e.Len)
+		}
+		return m.discard.Zero(exts, mayPunch, fast)
+	})
+	return m.fua(l, fua, err)
+}
+
+// fua makes a completed trim or zeroing durable. It flushes every device
+// below rather than remembering which ones a long request touched: the
+// flush engine skips devices that are clean.
+func (m *Device) fua(l *live, fua bool, err error) error {
+	if !fua || err != nil {
+		return err
+	}
+	return m.flush.Flush(m.devices(l))
+}
+
+// Cache asks the backing devices to bring [off, off+n) into their caches
+// (the page cache, for files): natively where a device can (readahead,
+// which returns before the data is read, so an unreadable block shows only
+// on a later read), otherwise by reading through a CacheBuffer and dropping
+// the data, which fails where a read would. Error targets fail it either
+// way.
+func (m *Device) Cache(off, n int64) error {
+	l, err := m.admit(off, n)
+	if err != nil {
+		return err
+	}
+	defer m.exit()
+	var bp *[]byte
+	defer func() {
+		if bp != nil {
+			bufPool.Put(bp)
+		}
+	}()
+	return walk(l.t, off, n, func(exts []discard.Extent, _ bool) error {
+		// Sorted and merged per device, as a zeroing would be: a piece
+		// of a table whose segments alternate between two files is then
+		// two calls, not a thousand.
+		for _, dp := range discard.PlanZero(exts).Devices {
+			for _, r := range dp.Calls {
+				if bp == nil {
+					bp = bufPool.Get().(*[]byte)
+				}
+				if err := backing.Cache(dp.Dev, r.Off, r.Len, *bp); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// CacheBuffer is the buffer Cache reads through on devices that cannot
+// read ahead natively.
+const CacheBuffer = 128 << 10
+
+// Pools for walks' pieces and Cache's read-through buffer: steady trims
+// and caches allocate nothing.
+var (
+	piecePool = sync.Pool{New: func() any { s := make([]discard.Extent, 0, WalkExtents); return &s }}
+	bufPool   = sync.Pool{New: func() any { b := make([]byte, CacheBuffer); return &b }}
+)
+
+// walk covers [off, off+n) of t with device extents (Table.Cover: any
+// order, adjacent pieces joined), dropping zero-target parts and failing on
+// error-target parts, and hands them to fn in pieces of at most
+// WalkExtents; more says that another piece may follow. Pieces before an
+// error target have been handed over when walk fails on it.
+func walk(t *table.Table, off, n int64, fn func(exts []discard.Extent, more bool) error) error {
+	sp := piecePool.Get().(*[]discard.Extent)
+	defer piecePool.Put(sp)
+	exts := (*sp)[:0]
+	var err error
+	t.Cover(off, n, func(e table.Extent) bool {
+		switch e.Kind {
+		case table.KindMapped:
+			exts = append(exts, discard.Extent{Dev: e.Dev, Off: e.Off, Len: e.Len})
+			if len(exts) == WalkExtents {
+				err = fn(exts, true)
+				exts = exts[:0]
+			}
+		case table.KindError:
+			err = table.ErrTarget
+		}
+		return err == nil
+	})
+	if err == nil && len(exts) > 0 {
+		err = fn(exts, false)
+	}
+	return err
+}
+
+// Status flags of a block status extent (NBD base:allocation).
+const (
+	StateHole uint32 = 1 << 0
+	StateZero uint32 = 1 << 1
+)
+
+// BlockExtent is one base:allocation extent: Len bytes with Flags.
+type BlockExtent struct {
+	Len   int64
+	Flags uint32
+}
+
+// holeQuery bounds the range one Device.Holes call is asked about, so that
+// a fragmented file cannot make one call return an unbounded list.
+const holeQuery = 64 << 20
+
+// BlockStatus describes the allocation of [off, off+n) as consecutive
+// extents starting at off, appended to out: holes in backing files and
+// zero targets are hole+zero, everything else is data. It stops at limit
+// extents (0: no limit) and after WalkExtents table extents; the extents
+// then cover a prefix of the range, which NBD allows (REQ_ONE asks for
+// limit 1).
+func (m *Device) BlockStatus(off, n int64, limit int, out []BlockExtent) ([]BlockExtent, error) {
+	l, err := m.admit(off, n)
+	if err != nil {
+		return out, err
+	}
+	defer m.exit()
+	return blockStatus(l.t, off, n, limit, out)
+}
+
+func blockStatus(t *table.Table, off, n int64, limit int, out []BlockExtent) ([]BlockExtent, error) {
+	var err error
+	full := false
+	add := func(length int64, flags uint32) {
+		if full {
+			return
+		}
+		if k := len(out) - 1; k >= 0 && out[k].Flags == flags {
+			out[k].Len += length
+			return
+		}
+		if limit > 0 && len(out) == limit {
+			full = true
+			return
+		}
+		out = append(out, BlockExtent{Len: length, Flags: flags})
+	}
+	walked := 0
+	t.Map(off, n, func(e table.Extent) bool {
+		switch e.Kind {
+		case table.KindZero:
+			add(e.Len, StateHole|StateZero)
+		case table.KindError:
+			add(e.Len, 0)
+		case table.KindMapped:
+			end := e.Off + e.Len
+			for q := e.Off; q < end && !full && err == nil; q += holeQuery {
+				qEnd := min(end, q+holeQuery)
+				var holes []backing.Range
+				holes, err = e.Dev.Holes(q, qEnd-q)
+				pos := q
+				for _, h := range holes {
+					if h.Off > pos {
+						add(h.Off-pos, 0)
+					}
+					add(h.Len, StateHole|StateZero)
+					pos = h.End()
+				}
+				if pos < qEnd {
+					add(qEnd-pos, 0)
+				}
+			}
+		}
+		walked++
+		return err == nil && !full && walked < WalkExtents
+	})
+	return out, err
+}
+
+func appendUnique(devs []backing.Device, d backing.Device) []backing.Device {
+	for _, have := range devs {
+		if have == d {
+			return devs
+		}
+	}
+	return append(devs, d)
+}

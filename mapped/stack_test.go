@@ -1,0 +1,152 @@
+package mapped_test
+
+import (
+	"bytes"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+type memOpener map[string]backing.Device
+
+func (o memOpener) Open(name string) (backing.Device, error) {
+	if d, ok := o[name]; ok {
+		return d, nil
+	}
+	return nil, fmt.Errorf("open %s: %w", name, fs.ErrNotExist)
+}
+
+// parseSet parses NAME=TABLE specs as one set of mapped devices over devs,
+// sharing one flush and one discard engine.
+func parseSet(t *testing.T, devs memOpener, specs ...string) []*mapped.Device {
+	t.Helper()
+	var defs []table.Def
+	for _, s := range specs {
+		name, text, _ := strings.Cut(s, "=")
+		defs = append(defs, table.Def{Name: name, File: name + ".table", Text: strings.NewReader(text)})
+	}
+	f, d := flush.New(), discard.New()
+	mds, err := table.ParseSet(defs, devs, func(name string, t *table.Table) *mapped.Device { return mapped.New(name, t, f, d) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	return mds
+}
+
+func names(ds []backing.Device) []string {
+	var s []string
+	for _, d := range ds {
+		s = append(s, d.Name())
+	}
+	return s
+}
+
+// TestStackedSnapshot stacks a snapshot and a snapshot-origin on a striped-and-
+// linear base device of the same set, listed in the "wrong" order, and
+// checks copy-on-write through the stack, the status lines, and that the
+// flush devices are the real ones.
+func TestStackedSnapshot(t *testing.T) {
+	disk := backing.NewMem("disk", 4<<20)
+	cow := backing.NewMem("cow", 4<<20)
+	devs := memOpener{"disk": disk, "cow": cow}
+	var base strings.Builder
+	for i := 0; i < 64; i++ { // 64 segments of 32 sectors, reversed on disk
+		fmt.Fprintf(&base, "%d 32 linear disk %d\n", i*32, (63-i)*32)
+	}
+	mds := parseSet(t, devs,
+		"snap=0 2048 snapshot /dev/mapper/base cow P 8",
+		"orig=0 2048 snapshot-origin /dev/mapper/base",
+		"base="+base.String(),
+	)
+	snapDev, origDev := mds[0], mds[1]
+	snap, orig := snapDev.Table(), origDev.Table()
+	defer snapDev.Close()
+	if n := len(mds[2].Table().Lines); n != 64 {
+		t.Fatalf("base has %d lines", n)
+	}
+	before := make([]byte, 1<<20)
+	for i := range before {
+		before[i] = byte(i * 7)
+	}
+	if _, err := origDev.WriteAt(before, 0); err != nil {
+		t.Fatal(err)
+	}
+	// That write copied every chunk out: the snapshot still reads zeros.
+	got := make([]byte, 1<<20)
+	snapDev.ReadAt(got, 0)
+	if !bytes.Equal(got, make([]byte, 1<<20)) {
+		t.Fatal("snapshot changed by an origin write")
+	}
+	if _, err := snapDev.WriteAt([]byte("snapshot only"), 4096*3+1); err != nil {
+		t.Fatal(err)
+	}
+	origDev.ReadAt(got, 0)
+	if !bytes.Equal(got, before) {
+		t.Fatal("origin changed by a snapshot write")
+	}
+	// 256 chunks copied out: next free 2+256 = 258, 8 sectors each; area 0
+	// (256 entries) is full, so area 1 is current.
+	if got, want := snap.Status(), "0 2048 snapshot 2072/8192 24\n"; got != want {
+		t.Fatalf("status %q, want %q", got, want)
+	}
+	if got, want := orig.Status(), "0 2048 snapshot-origin \n"; got != want {
+		t.Fatalf("origin status %q, want %q", got, want)
+	}
+	if got, want := snap.String(), "0 2048 snapshot /dev/mapper/base cow P 8\n"; got != want {
+		t.Fatalf("table %q, want %q", got, want)
+	}
+	// Flushes go to the real devices, each once.
+	if d := snap.Devices(); len(d) != 2 || d[0] != cow || d[1] != disk {
+		t.Fatalf("snapshot devices %v", names(d))
+	}
+	if d := orig.Devices(); len(d) != 1 || d[0] != disk {
+		t.Fatalf("origin devices %v", names(d))
+	}
+}
+
+// TestStackedFiles reads the tables from files through a real
+// backing.Pool, as the serve command does.
+func TestStackedFiles(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, text string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	disk := write("disk.img", strings.Repeat("d", 1<<20))
+	cow := write("cow.img", string(make([]byte, 1<<20)))
+	pool := &backing.Pool{}
+	defer pool.Close()
+	f, dc := flush.New(), discard.New()
+	mds, err := table.ParseSet([]table.Def{
+		{Name: "snap", File: write("snap.table", "0 2048 snapshot /dev/mapper/base "+cow+" N 8\n")},
+		{Name: "base", File: write("base.table", "0 1024 linear "+disk+" 1024\n1024 1024 linear "+disk+" 0\n")},
+	}, pool, func(name string, t *table.Table) *mapped.Device { return mapped.New(name, t, f, dc) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mds[0].Close()
+	d := mds[0]
+	if _, err := d.WriteAt([]byte("x"), 0); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 2)
+	d.ReadAt(buf, 0)
+	if string(buf) != "xd" {
+		t.Fatalf("read %q", buf)
+	}
+	if n := len(pool.Devices()); n != 2 {
+		t.Fatalf("pool opened %d devices, want 2 (disk once, cow)", n)
+	}
+}
