@@ -50,6 +50,15 @@ var commands = map[string]func(args []string) error{
 	"attach": runAttach,
 	"detach": runDetach,
 	"status": runStatus,
+	// dmsetup's lifecycle, through the control socket (lifecycle.go).
+	"reload":  runLifecycle("reload"),
+	"suspend": runLifecycle("suspend"),
+	"resume":  runLifecycle("resume"),
+	"clear":   runLifecycle("clear"),
+	"table":   runLifecycle("table"),
+	"info":    runLifecycle("info"),
+	"ls":      runLifecycle("ls"),
+	"message": runLifecycle("message"),
 }
 
 func main() {
@@ -103,6 +112,7 @@ type serveFlags struct {
 	tables         string
 	metricsWeb     string
 	socketMode     socketMode
+	control        string
 }
 
 func runServe(args []string) error {
@@ -120,6 +130,7 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
 	fs.StringVar(&sf.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file")
 	fs.StringVar(&sf.tables, "tables", "", "serve every NAME.table in DIR as export NAME")
+	fs.StringVar(&sf.control, "control", defaultControl, "the control socket for reload, suspend, resume, ... ('off' disables)")
 	var df discardFlags
 	df.register(fs)
 	var lf limitFlags
@@ -198,6 +209,13 @@ func runServe(args []string) error {
 	if err != nil {
 		return err
 	}
+	explicit := false
+	fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "control" })
+	stopControl, err := startControl(sf.control, explicit, log, devs, pool, srv)
+	if err != nil {
+		return err
+	}
+	defer stopControl()
 	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, metricsListener, log, srv, flusher, discarder, statusRoutes(exports, flusher))
 	if err != nil {
 		return err

@@ -1,0 +1,117 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+
+	"github.com/nbdmapper/nbdmapper/control"
+	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+// defaultControl is where serve puts its control socket, and where the
+// lifecycle commands look for it, unless --control says otherwise.
+const defaultControl = "/run/nbdmapper/control"
+
+// startControl serves the control socket for devs. With the default path,
+// a place that cannot be had (not root, or another server there) is logged
+// and skipped, so that serve runs anywhere; a path given with --control
+// must work.
+func startControl(path string, explicit bool, log *slog.Logger, devs []*mapped.Device, open table.Opener, srv *nbdtarget.Server) (stop func(), err error) {
+	if path == "off" {
+		return func() {}, nil
+	}
+	if !explicit {
+		if c, err := net.Dial("unix", path); err == nil {
+			c.Close()
+			log.Warn("control socket in use by another server: serving none; give --control PATH", "path", path)
+			return func() {}, nil
+		}
+	}
+	l, err := control.Listen(path)
+	if err != nil {
+		if !explicit {
+			log.Warn("no control socket: give --control PATH for reload, suspend and resume", "path", path, "err", err)
+			return func() {}, nil
+		}
+		return nil, fmt.Errorf("--control: %w", err)
+	}
+	byName := make(map[string]*mapped.Device, len(devs))
+	for _, d := range devs {
+		byName[d.DeviceName()] = d
+	}
+	ctl := &control.Server{Devices: byName, Open: open, Logger: log, Clients: func(name string) int {
+		for _, x := range srv.Stats().Exports {
+			if x.Name == name {
+				return int(x.Connections)
+			}
+		}
+		return 0
+	}}
+	log.Info("control", "socket", path)
+	done := make(chan struct{})
+	go func() { defer close(done); ctl.Serve(l) }()
+	return func() { l.Close(); <-done; os.Remove(path) }, nil
+}
+
+// runLifecycle is the client side of dmsetup's lifecycle commands:
+//
+//	nbdmapper reload NAME TABLE_FILE     load TABLE_FILE as NAME's inactive table
+//	nbdmapper suspend NAME               drain, flush and hold NAME's I/O
+//	nbdmapper resume NAME                activate the inactive table, release I/O
+//	nbdmapper clear NAME                 drop the inactive table
+//	nbdmapper table [--inactive] NAME    print NAME's table
+//	nbdmapper info NAME                  print NAME's state
+//	nbdmapper ls                         list the devices
+//	nbdmapper message NAME SECTOR TEXT   send a target a message
+func runLifecycle(op string) func(args []string) error {
+	return func(args []string) error {
+		fs := flag.NewFlagSet(op, flag.ContinueOnError)
+		path := fs.String("control", defaultControl, "the server's control socket (serve --control)")
+		inactive := false
+		if op == "table" {
+			fs.BoolVar(&inactive, "inactive", false, "print the inactive table")
+		}
+		if err := fs.Parse(args); err != nil {
+			return err
+		}
+		req := control.Request{Op: op, Inactive: inactive}
+		want := 1 // arguments: NAME, mostly
+		switch op {
+		case "ls":
+			want = 0
+		case "reload":
+			want = 2
+		case "message":
+			want = 3
+		}
+		if fs.NArg() != want {
+			return fmt.Errorf("%s takes %d argument(s)\n%s", op, want, usage)
+		}
+		if want > 0 {
+			req.Name = fs.Arg(0)
+		}
+		switch op {
+		case "reload":
+			abs, err := filepath.Abs(fs.Arg(1))
+			if err != nil {
+				return err
+			}
+			req.File = abs
+		case "message":
+			req.Args = fs.Args()[1:]
+		}
+		out, err := control.Call(*path, req)
+		fmt.Print(out)
+		if err != nil && errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("%w (is nbdmapper serve running with --control %s?)", err, *path)
+		}
+		return err
+	}
+}
