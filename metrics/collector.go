@@ -10,6 +10,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -147,6 +148,21 @@ var (
 	descExportDevices = desc("nbdmapper_export_backing_devices",
 		"Distinct backing devices the export's table uses.",
 		"export")
+	descSuspended = desc("nbdmapper_export_suspended",
+		"1 while the export's device is suspended (nbdmapper suspend), else 0.",
+		"export")
+	descSuspendedSeconds = desc("nbdmapper_export_suspended_seconds_total",
+		"Time the export's device has spent suspended.",
+		"export")
+	descSuspends = desc("nbdmapper_export_suspends_total",
+		"Suspends of the export's device (nbdmapper suspend, or resume with a reloaded table).",
+		"export")
+	descReloads = desc("nbdmapper_export_reloads_total",
+		"Tables loaded into the export's device (nbdmapper reload).",
+		"export")
+	descRequestsHeld = desc("nbdmapper_export_requests_held_total",
+		"Requests that waited for the export's device to be resumed.",
+		"export")
 	descDeviceSize = desc("nbdmapper_device_size_bytes",
 		"Size of the backing device.",
 		"device")
@@ -175,23 +191,7 @@ func newStatsCollector(cfg Config, devices []string, version string) *statsColle
 	}
 	devSize := make(map[string]int64)
 	for _, x := range cfg.Server.Exports {
-		gauge(descExportSize, float64(x.Size()), x.Name)
-		bytype := make(map[string]int)
-		for _, l := range x.Dev.Table().Lines {
-			bytype[l.Target.Type()]++
-		}
-		types := table.Targets()
-		for t := range bytype {
-			if !slices.Contains(types, t) {
-				types = append(types, t)
-			}
-		}
-		for _, t := range types {
-			gauge(descExportSegments, float64(bytype[t]), x.Name, t)
-		}
-		devs := x.Dev.Table().Devices()
-		gauge(descExportDevices, float64(len(devs)), x.Name)
-		for _, d := range devs {
+		for _, d := range x.Dev.Table().Devices() {
 			devSize[d.Name()] = d.Size()
 		}
 	}
@@ -224,6 +224,7 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 		descDiscardBytesOut, descDiscardMerged, descDiscardUnsupported,
 		descDiscardErrors, descZeroRangesIn, descZeroCalls,
 		descExportSize, descExportSegments, descExportDevices, descDeviceSize,
+		descSuspended, descSuspendedSeconds, descSuspends, descReloads, descRequestsHeld,
 		descBuildInfo,
 	} {
 		ch <- d
@@ -256,6 +257,9 @@ func gauge(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels ..
 // collectServer reports every op of every export, zeros included: the
 // server's Stats leaves out ops that never ran.
 func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.Stats) {
+	for _, x := range c.cfg.Server.Exports {
+		collectDevice(ch, x.Name, x.Dev)
+	}
 	gauge(ch, descConnectionsOpen, float64(s.Connections))
 	counter(ch, descConnectionsRefused, uint64(s.Refused))
 	counter(ch, descHandshakeTimeouts, uint64(s.HandshakeTimeouts))
@@ -349,4 +353,31 @@ func b2f(b bool) float64 {
 		return 1
 	}
 	return 0
+}
+
+// collectDevice reports an export's table, which a reload may change, and
+// its lifecycle.
+func collectDevice(ch chan<- prometheus.Metric, name string, d *mapped.Device) {
+	t := d.Table()
+	gauge(ch, descExportSize, float64(t.Size()), name)
+	bytype := make(map[string]int)
+	for _, l := range t.Lines {
+		bytype[l.Target.Type()]++
+	}
+	types := table.Targets()
+	for t := range bytype {
+		if !slices.Contains(types, t) {
+			types = append(types, t)
+		}
+	}
+	for _, typ := range types {
+		gauge(ch, descExportSegments, float64(bytype[typ]), name, typ)
+	}
+	gauge(ch, descExportDevices, float64(len(t.Devices())), name)
+	in := d.Info()
+	gauge(ch, descSuspended, b2f(in.Suspended), name)
+	ch <- prometheus.MustNewConstMetric(descSuspendedSeconds, prometheus.CounterValue, in.SuspendedTime.Seconds(), name)
+	counter(ch, descSuspends, in.Suspends, name)
+	counter(ch, descReloads, in.Reloads, name)
+	counter(ch, descRequestsHeld, uint64(in.Held), name)
 }
