@@ -4,7 +4,8 @@
 //	nbdmapper check TABLE_FILE                      validate and print a normalised table
 //
 // main parses flags, sets up signals and wires the packages together; the
-// work happens in table, nbdtarget, flush, discard and backing.
+// work happens in nbdtarget, mapped, control, table, flush, discard and
+// backing.
 package main
 
 import (
@@ -33,7 +34,9 @@ const usage = `usage:
                   [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
-                  [--description NAME=TEXT] [--tables DIR] [NAME=TABLE_FILE ...]
+                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [NAME=TABLE_FILE ...]
+  nbdmapper reload NAME TABLE_FILE | suspend NAME | resume NAME | clear NAME   [--control PATH]
+  nbdmapper table [--inactive] NAME | info NAME | ls | message NAME SECTOR TEXT   [--control PATH]
   nbdmapper check TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
