@@ -190,7 +190,7 @@ func newStatsCollector(cfg Config, devices []string, version string) *statsColle
 		return c
 	}
 	devSize := make(map[string]int64)
-	for _, x := range cfg.Server.Exports {
+	for _, x := range cfg.Server.ExportList() {
 		for _, d := range x.Dev.Table().Devices() {
 			devSize[d.Name()] = d.Size()
 		}
@@ -257,7 +257,7 @@ func gauge(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels ..
 // collectServer reports every op of every export, zeros included: the
 // server's Stats leaves out ops that never ran.
 func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.Stats) {
-	for _, x := range c.cfg.Server.Exports {
+	for _, x := range c.cfg.Server.ExportList() {
 		collectDevice(ch, x.Name, x.Dev)
 	}
 	gauge(ch, descConnectionsOpen, float64(s.Connections))

@@ -121,7 +121,7 @@ func New(cfg Config) *Metrics {
 
 	if s := cfg.Server; s != nil {
 		m.reg.MustRegister(m.requestSeconds)
-		for _, x := range s.Exports {
+		for _, x := range s.ExportList() {
 			for _, op := range requestOps() {
 				k := [2]string{x.Name, op}
 				m.requestObs[k] = m.requestSeconds.WithLabelValues(k[0], k[1])
@@ -190,7 +190,7 @@ func deviceNames(cfg Config) []string {
 	}
 	var names []string
 	seen := make(map[string]bool)
-	for _, x := range cfg.Server.Exports {
+	for _, x := range cfg.Server.ExportList() {
 		for _, d := range x.Dev.Table().Devices() {
 			if n := d.Name(); !seen[n] {
 				seen[n] = true

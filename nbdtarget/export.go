@@ -1,6 +1,10 @@
 package nbdtarget
 
-import "github.com/nbdmapper/nbdmapper/mapped"
+import (
+	"sync/atomic"
+
+	"github.com/nbdmapper/nbdmapper/mapped"
+)
 
 // Export is one named virtual device as clients see it: a mapped device
 // and what the protocol needs to know about it. Requests reaching the
@@ -16,6 +20,9 @@ type Export struct {
 	// it names (see Access); others get ERR_POLICY and do not see the
 	// export in LIST.
 	Access *Access
+
+	st      exportStats
+	removed atomic.Bool // RemoveExport took it out: connections to it end
 }
 
 // Size is the export size in bytes, as of now: a reload may change it.

@@ -126,7 +126,7 @@ func FuzzRequest(f *testing.F) {
 		c.meta = mode&2 != 0 && c.structured
 		c.x = srv.Exports[int(mode>>2)%len(srv.Exports)]
 		c.ro = c.x.ReadOnly
-		c.st = srv.stats[c.x]
+		c.st = &c.x.st
 		c.transmit()
 	})
 }

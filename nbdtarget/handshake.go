@@ -125,7 +125,7 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 		if len(data) != 0 {
 			return nil, c.optReply(id, repErrInvalid, []byte("LIST takes no data"))
 		}
-		for _, x := range c.srv.Exports {
+		for _, x := range c.srv.ExportList() {
 			if c.access(x) < accessReadOnly {
 				continue // not for this client: not listed
 			}

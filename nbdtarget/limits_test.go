@@ -373,3 +373,54 @@ func TestLongWalksReachEveryExtent(t *testing.T) {
 		t.Fatalf("cache: handle %d errno %d", h, errno)
 	}
 }
+
+// TestAddRemoveExport changes the export set while serving: a new export
+// is served at once; removing one with a client connected is refused,
+// unless forced, which lets the request in flight finish and reply and then
+// closes the connection.
+func TestAddRemoveExport(t *testing.T) {
+	f := newTFix(t, nil)
+	extra := newExport(t, "extra", seg{len: 64 * kb, dev: backing.NewMem("e", 64*kb)})
+	if err := f.srv.AddExport(extra); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.srv.AddExport(extra); !errors.Is(err, ErrExportExists) {
+		t.Fatalf("adding it twice: %v", err)
+	}
+	c := dialRaw(t, f.sock)
+	c.connect("extra", false, false)
+	if _, err := f.srv.RemoveExport("extra", false); !errors.Is(err, ErrExportBusy) {
+		t.Fatalf("removing a busy export: %v", err)
+	}
+	// A request in flight on "t" (held at the gate) is not affected by
+	// removing another export; one on "extra" finishes before it goes.
+	c.request(cmdWrite, 0, 1, 0, 512, bytes.Repeat([]byte{7}, 512))
+	if h, errno, _ := c.simple(0); h != 1 || errno != 0 {
+		t.Fatalf("write: handle %d errno %d", h, errno)
+	}
+	removed := make(chan error, 1)
+	go func() { _, err := f.srv.RemoveExport("extra", true); removed <- err }()
+	c.nc.SetReadDeadline(time.Now().Add(60 * time.Second))
+	if !c.closed() {
+		t.Fatal("the forced removal left the connection open")
+	}
+	select {
+	case err := <-removed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("RemoveExport did not return")
+	}
+	for _, x := range f.srv.ExportList() {
+		if x.Name == "extra" {
+			t.Fatal("removed export still listed")
+		}
+	}
+	d := dialRaw(t, f.sock)
+	d.greet(3)
+	d.option(7, infoData("extra"))
+	if r := d.reply(); r.typ != 1<<31+6 {
+		t.Fatalf("GO for a removed export: reply %#x, want ERR_UNKNOWN", r.typ)
+	}
+}

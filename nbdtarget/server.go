@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -24,7 +25,8 @@ var ErrServerClosed = errors.New("nbdtarget: server closed")
 // concurrently on a bounded pool of goroutines, each of which reads a request,
 // runs it and replies as it finishes, out of order.
 //
-// Exports must not change once Serve has been called.
+// Exports are the exports served from the start; AddExport and
+// RemoveExport change the set while serving.
 type Server struct {
 	Exports []*Export
 	Logger  *slog.Logger
@@ -78,7 +80,7 @@ type Server struct {
 	TLS       TLSMode
 
 	initOnce sync.Once
-	stats    map[*Export]*exportStats
+	exports  atomic.Pointer[[]*Export] // Exports, then as AddExport and RemoveExport leave it
 	mem      *semaphore.Weighted
 	counters serverCounters
 
@@ -91,14 +93,14 @@ type Server struct {
 	conns     map[*conn]struct{}
 	closing   bool
 	connWG    sync.WaitGroup
+	connGone  sync.Cond // a connection to a removed export ended; with mu
 }
 
 func (s *Server) init() {
 	s.initOnce.Do(func() {
-		s.stats = make(map[*Export]*exportStats, len(s.Exports))
-		for _, x := range s.Exports {
-			s.stats[x] = new(exportStats)
-		}
+		list := slices.Clone(s.Exports)
+		s.exports.Store(&list)
+		s.connGone.L = &s.mu
 		if s.Logger == nil {
 			s.Logger = slog.New(slog.DiscardHandler)
 		}
@@ -184,15 +186,75 @@ func (s *Server) maxInFlightBytes() int64 {
 // lookup finds an export by name; "" is the first export (the default
 // export that `nbd+unix:///?socket=...` asks for).
 func (s *Server) lookup(name string) *Export {
-	if name == "" && len(s.Exports) > 0 {
-		return s.Exports[0]
+	list := s.ExportList()
+	if name == "" && len(list) > 0 {
+		return list[0]
 	}
-	for _, x := range s.Exports {
+	for _, x := range list {
 		if x.Name == name {
 			return x
 		}
 	}
 	return nil
+}
+
+// ExportList is the exports served now, in the order they were added. The
+// slice must not be modified.
+func (s *Server) ExportList() []*Export {
+	s.init()
+	return *s.exports.Load()
+}
+
+// Errors of AddExport and RemoveExport.
+var (
+	ErrExportExists = errors.New("an export of that name exists")
+	ErrNoExport     = errors.New("no such export")
+	ErrExportBusy   = errors.New("clients are connected to the export")
+)
+
+// AddExport serves x from now on.
+func (s *Server) AddExport(x *Export) error {
+	s.init()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	list := *s.exports.Load()
+	if slices.ContainsFunc(list, func(y *Export) bool { return y.Name == x.Name }) {
+		return fmt.Errorf("%w: %q", ErrExportExists, x.Name)
+	}
+	list = append(slices.Clone(list), x)
+	s.exports.Store(&list)
+	return nil
+}
+
+// RemoveExport stops serving the export called name and returns it. With
+// clients connected it fails with ErrExportBusy, unless force: then their
+// connections stop reading requests, finish those in flight, reply, and
+// close, and RemoveExport returns once they have.
+func (s *Server) RemoveExport(name string, force bool) (*Export, error) {
+	s.init()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	list := *s.exports.Load()
+	i := slices.IndexFunc(list, func(x *Export) bool { return x.Name == name })
+	if i < 0 {
+		return nil, fmt.Errorf("%w: %q", ErrNoExport, name)
+	}
+	x := list[i]
+	if x.st.conns.Load() > 0 && !force {
+		return nil, fmt.Errorf("%w: %d connected to %q", ErrExportBusy, x.st.conns.Load(), name)
+	}
+	list = slices.Delete(slices.Clone(list), i, i+1)
+	s.exports.Store(&list)
+	x.removed.Store(true)
+	for c := range s.conns {
+		if c.x == x {
+			c.stopReading()
+		}
+	}
+	for x.st.conns.Load() > 0 {
+		s.connGone.Wait()
+	}
+	return x, nil
 }
 
 // Serve accepts connections on l until l fails or Shutdown is called, and
@@ -356,7 +418,7 @@ func (s *Server) Panicked(v any, stack []byte) {
 }
 
 // Stats is a snapshot of the server's counters, one entry per export in the
-// order of Server.Exports.
+// order of ExportList.
 type Stats struct {
 	Exports []ExportStats
 
@@ -445,8 +507,9 @@ func (s *Server) Stats() Stats {
 	s.mu.Lock()
 	conns := int64(len(s.conns))
 	s.mu.Unlock()
+	list := s.ExportList()
 	out := Stats{
-		Exports:           make([]ExportStats, 0, len(s.Exports)),
+		Exports:           make([]ExportStats, 0, len(list)),
 		Connections:       conns,
 		Refused:           s.counters.refused.Load(),
 		HandshakeTimeouts: s.counters.handshakeTimeouts.Load(),
@@ -457,8 +520,8 @@ func (s *Server) Stats() Stats {
 		MemoryLimit:       s.memory(),
 		MemoryWaits:       s.counters.memWaits.Load(),
 	}
-	for _, x := range s.Exports {
-		st := s.stats[x]
+	for _, x := range list {
+		st := &x.st
 		es := ExportStats{
 			Name:             x.Name,
 			Connections:      st.conns.Load(),

@@ -101,13 +101,31 @@ func (c *conn) serve() {
 		}
 		return
 	}
-	c.x, c.st = x, c.srv.stats[x]
-	c.log = c.log.With("export", x.Name)
+	c.srv.mu.Lock()
+	c.x, c.st = x, &x.st
+	if x.removed.Load() {
+		// Chosen in the handshake just before RemoveExport took it out.
+		c.srv.mu.Unlock()
+		return
+	}
 	c.st.conns.Add(1)
+	c.srv.mu.Unlock()
 	c.st.connsTotal.Add(1)
-	defer c.st.conns.Add(-1)
+	defer c.left()
+	c.log = c.log.With("export", x.Name)
 	c.log.Debug("nbd transmission", "structured", c.structured, "meta", c.meta)
 	c.transmit()
+}
+
+// left counts the connection out of its export, waking a RemoveExport
+// that waits for the last one.
+func (c *conn) left() {
+	c.st.conns.Add(-1)
+	if c.x.removed.Load() {
+		c.srv.mu.Lock()
+		c.srv.connGone.Broadcast()
+		c.srv.mu.Unlock()
+	}
 }
 
 // quiet reports whether err is an ordinary way for a connection to end.
