@@ -1,6 +1,6 @@
 // Package control is nbdmapper's control socket: dmsetup's lifecycle
-// commands (reload, suspend, resume, table, status, info, ls, message) for
-// the mapped devices of a running server. It sits beside the data flow:
+// commands (create, remove, reload, suspend, resume, table, status, info,
+// ls, message) for the mapped devices of a running server. It sits beside the data flow:
 //
 //	nbdmapper reload|suspend|... --> control socket --> mapped.Device
 //
@@ -19,6 +19,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -34,6 +35,7 @@ type Request struct {
 	Name     string   `json:"name,omitempty"`
 	File     string   `json:"file,omitempty"`
 	Inactive bool     `json:"inactive,omitempty"` // table: the inactive table
+	Force    bool     `json:"force,omitempty"`    // remove: even with clients connected
 	Args     []string `json:"args,omitempty"`     // message: sector and text
 }
 
@@ -49,19 +51,30 @@ var (
 	ErrUnknownOp  = errors.New("unknown command")
 	ErrNoMessages = errors.New("target takes no messages")
 	ErrStacked    = errors.New("the table would stack the device on itself")
+	ErrExists     = errors.New("a device of that name exists")
+	ErrInUse      = errors.New("another device is stacked on it")
+	ErrNoCreate   = errors.New("this server cannot create or remove devices")
 )
 
 // Server answers requests for a set of mapped devices.
 type Server struct {
-	// Devices are the server's mapped devices, by name; fixed once Serve
-	// is called.
+	// Devices are the server's mapped devices, by name. Once Serve is
+	// called only create and remove change it.
 	Devices map[string]*mapped.Device
+	// Create makes the device NAME with table t and serves it; Remove
+	// stops serving it (force: even with clients connected, which are
+	// disconnected once their requests in flight are answered) and closes
+	// it. Without them, create and remove are refused.
+	Create func(name string, t *table.Table) (*mapped.Device, error)
+	Remove func(name string, force bool) error
 	// Open opens the device paths of reloaded tables (the serve command's
 	// backing.Pool, so each file is opened once).
 	Open table.Opener
 	// Clients, if set, reports how many clients have NAME open, for info.
 	Clients func(name string) int
 	Logger  *slog.Logger
+
+	mu sync.RWMutex // Devices
 }
 
 // Listen creates the control socket at path, owner-only, replacing a stale
@@ -125,10 +138,15 @@ func (s *Server) serveConn(c net.Conn) {
 
 // Do carries out one request.
 func (s *Server) Do(req Request) (string, error) {
-	if req.Op == "ls" {
+	switch req.Op {
+	case "ls":
 		return s.ls(), nil
+	case "create":
+		return "", s.create(req.Name, req.File)
+	case "remove":
+		return "", s.remove(req.Name, req.Force)
 	}
-	d := s.Devices[req.Name]
+	d := s.device(req.Name)
 	if d == nil {
 		return "", fmt.Errorf("%w: %q", ErrNoDevice, req.Name)
 	}
@@ -161,7 +179,69 @@ func (s *Server) Do(req Request) (string, error) {
 	return "", fmt.Errorf("%w %q", ErrUnknownOp, req.Op)
 }
 
+func (s *Server) device(name string) *mapped.Device {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.Devices[name]
+}
+
+// create parses file completely and makes it the new device name.
+func (s *Server) create(name, file string) error {
+	if s.Create == nil {
+		return ErrNoCreate
+	}
+	if name == "" || strings.ContainsAny(name, "/ \t") {
+		return fmt.Errorf("bad device name %q", name)
+	}
+	if s.device(name) != nil {
+		return fmt.Errorf("%w: %q", ErrExists, name)
+	}
+	t, err := s.parse(file, nil)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.Devices[name] != nil {
+		t.Close()
+		return fmt.Errorf("%w: %q", ErrExists, name)
+	}
+	d, err := s.Create(name, t)
+	if err != nil {
+		t.Close()
+		return err
+	}
+	s.Devices[name] = d
+	return nil
+}
+
+// remove stops serving and closes the device name, unless another device
+// is stacked on it (dm's "device busy").
+func (s *Server) remove(name string, force bool) error {
+	if s.Remove == nil {
+		return ErrNoCreate
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d := s.Devices[name]
+	if d == nil {
+		return fmt.Errorf("%w: %q", ErrNoDevice, name)
+	}
+	for other, od := range s.Devices {
+		if od != d && s.stacksOn(od, d) {
+			return fmt.Errorf("%s: %w: /dev/mapper/%s", name, ErrInUse, other)
+		}
+	}
+	if err := s.Remove(name, force); err != nil {
+		return err
+	}
+	delete(s.Devices, name)
+	return nil
+}
+
 func (s *Server) ls() string {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
 	names := make([]string, 0, len(s.Devices))
 	for n := range s.Devices {
 		names = append(names, n)
@@ -200,17 +280,22 @@ func (s *Server) info(d *mapped.Device) string {
 // another device of the server; a table that would make d stack on itself
 // is refused.
 func (s *Server) reload(d *mapped.Device, file string) error {
-	f, err := os.Open(file)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	t, err := table.Parse(file, f, opener{s, d})
+	t, err := s.parse(file, d)
 	if err != nil {
 		return err
 	}
 	d.Load(t)
 	return nil
+}
+
+// parse reads the table in file for the device self (nil for a new one).
+func (s *Server) parse(file string, self *mapped.Device) (*table.Table, error) {
+	f, err := os.Open(file)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return table.Parse(file, f, opener{s, self})
 }
 
 // opener resolves a reloaded table's devices: /dev/mapper/NAME against the
@@ -225,24 +310,38 @@ func (o opener) Open(name string) (backing.Device, error) {
 	if !ok {
 		return o.s.Open.Open(name)
 	}
+	o.s.mu.RLock()
+	defer o.s.mu.RUnlock()
 	d := o.s.Devices[dm]
 	if d == nil {
 		return nil, fmt.Errorf("%w: %q", ErrNoDevice, dm)
 	}
-	if stacksOn(d, o.self) {
+	if o.self != nil && o.s.stacksOn(d, o.self) {
 		return nil, fmt.Errorf("%w: %s", ErrStacked, name)
 	}
 	return d, nil
 }
 
-// stacksOn reports whether d is self or is built, at any depth, on self.
-func stacksOn(d, self *mapped.Device) bool {
+// stacksOn reports whether d is self or is built, at any depth, on self:
+// whether its table, active or loaded, names /dev/mapper/<self> or a
+// device that does. (Targets hand out the real devices below them, not the
+// mapped devices they stack on, so the table's arguments tell.) s.mu must
+// be held.
+func (s *Server) stacksOn(d, self *mapped.Device) bool {
 	if d == self {
 		return true
 	}
-	for _, below := range d.Table().Devices() {
-		if m, ok := below.(*mapped.Device); ok && stacksOn(m, self) {
-			return true
+	for _, t := range []*table.Table{d.Table(), d.InactiveTable()} {
+		if t == nil {
+			continue
+		}
+		for _, l := range t.Lines {
+			for _, a := range l.Target.Args() {
+				name, ok := strings.CutPrefix(a, table.MapperPrefix)
+				if below := s.Devices[name]; ok && below != nil && s.stacksOn(below, self) {
+					return true
+				}
+			}
 		}
 	}
 	return false

@@ -23,7 +23,11 @@ const defaultControl = "/run/nbdmapper/control"
 // a place that cannot be had (not root, or another server there) is logged
 // and skipped, so that serve runs anywhere; a path given with --control
 // must work.
-func startControl(path string, explicit bool, log *slog.Logger, devs []*mapped.Device, open table.Opener, srv *nbdtarget.Server) (stop func(), err error) {
+//
+// create makes and serves a device for `nbdmapper create`; remove takes one
+// out of srv and closes it.
+func startControl(path string, explicit bool, log *slog.Logger, devs []*mapped.Device, open table.Opener, srv *nbdtarget.Server,
+	create func(name string, t *table.Table) (*mapped.Device, error)) (stop func(), err error) {
 	if path == "off" {
 		return func() {}, nil
 	}
@@ -46,7 +50,14 @@ func startControl(path string, explicit bool, log *slog.Logger, devs []*mapped.D
 	for _, d := range devs {
 		byName[d.DeviceName()] = d
 	}
-	ctl := &control.Server{Devices: byName, Open: open, Logger: log, Clients: func(name string) int {
+	remove := func(name string, force bool) error {
+		x, err := srv.RemoveExport(name, force)
+		if err != nil {
+			return err
+		}
+		return x.Dev.Close()
+	}
+	ctl := &control.Server{Devices: byName, Open: open, Logger: log, Create: create, Remove: remove, Clients: func(name string) int {
 		for _, x := range srv.Stats().Exports {
 			if x.Name == name {
 				return int(x.Connections)
@@ -62,6 +73,8 @@ func startControl(path string, explicit bool, log *slog.Logger, devs []*mapped.D
 
 // runLifecycle is the client side of dmsetup's lifecycle commands:
 //
+//	nbdmapper create NAME TABLE_FILE     make and serve the device NAME
+//	nbdmapper remove [--force] NAME      stop serving NAME and close it
 //	nbdmapper reload NAME TABLE_FILE     load TABLE_FILE as NAME's inactive table
 //	nbdmapper suspend NAME               drain, flush and hold NAME's I/O
 //	nbdmapper resume NAME                activate the inactive table, release I/O
@@ -74,19 +87,22 @@ func runLifecycle(op string) func(args []string) error {
 	return func(args []string) error {
 		fs := flag.NewFlagSet(op, flag.ContinueOnError)
 		path := fs.String("control", defaultControl, "the server's control socket (serve --control)")
-		inactive := false
-		if op == "table" {
+		inactive, force := false, false
+		switch op {
+		case "table":
 			fs.BoolVar(&inactive, "inactive", false, "print the inactive table")
+		case "remove":
+			fs.BoolVar(&force, "force", false, "remove even with clients connected: they are disconnected once their requests are answered")
 		}
 		if err := fs.Parse(args); err != nil {
 			return err
 		}
-		req := control.Request{Op: op, Inactive: inactive}
+		req := control.Request{Op: op, Inactive: inactive, Force: force}
 		want := 1 // arguments: NAME, mostly
 		switch op {
 		case "ls":
 			want = 0
-		case "reload":
+		case "reload", "create":
 			want = 2
 		case "message":
 			want = 3
@@ -98,7 +114,7 @@ func runLifecycle(op string) func(args []string) error {
 			req.Name = fs.Arg(0)
 		}
 		switch op {
-		case "reload":
+		case "reload", "create":
 			abs, err := filepath.Abs(fs.Arg(1))
 			if err != nil {
 				return err

@@ -35,6 +35,7 @@ const usage = `usage:
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
                   [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [NAME=TABLE_FILE ...]
+  nbdmapper create NAME TABLE_FILE | remove [--force] NAME   [--control PATH]
   nbdmapper reload NAME TABLE_FILE | suspend NAME | resume NAME | clear NAME   [--control PATH]
   nbdmapper table [--inactive] NAME | info NAME | ls | message NAME SECTOR TEXT   [--control PATH]
   nbdmapper check TABLE_FILE
@@ -54,6 +55,8 @@ var commands = map[string]func(args []string) error{
 	"detach": runDetach,
 	"status": runStatus,
 	// dmsetup's lifecycle, through the control socket (lifecycle.go).
+	"create":  runLifecycle("create"),
+	"remove":  runLifecycle("remove"),
 	"reload":  runLifecycle("reload"),
 	"suspend": runLifecycle("suspend"),
 	"resume":  runLifecycle("resume"),
@@ -178,17 +181,24 @@ func runServe(args []string) error {
 	if err != nil {
 		return err
 	}
-	devs, err := table.ParseSet(defs, pool, func(name string, t *table.Table) *mapped.Device {
+	newDevice := func(name string, t *table.Table) *mapped.Device {
 		d := mapped.New(name, t, flusher, discarder)
 		d.PerSegmentFlush = sf.flushBaseline == "per-segment"
 		return d
-	})
+	}
+	devs, err := table.ParseSet(defs, pool, newDevice)
 	if err != nil {
 		return err
 	}
+	// The devices served at the end, after any create and remove, are
+	// closed at the end.
+	defer func() {
+		for _, x := range srv.ExportList() {
+			x.Dev.Close()
+		}
+	}()
 	exports := make([]*nbdtarget.Export, len(devs))
 	for i, d := range devs {
-		defer d.Close()
 		exports[i] = &nbdtarget.Export{
 			Name:        defs[i].Name,
 			Description: lf.descriptions[defs[i].Name],
@@ -214,7 +224,14 @@ func runServe(args []string) error {
 	}
 	explicit := false
 	fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "control" })
-	stopControl, err := startControl(sf.control, explicit, log, devs, pool, srv)
+	stopControl, err := startControl(sf.control, explicit, log, devs, pool, srv, func(name string, t *table.Table) (*mapped.Device, error) {
+		d := newDevice(name, t)
+		if err := srv.AddExport(&nbdtarget.Export{Name: name, Dev: d, ReadOnly: sf.readOnly}); err != nil {
+			return nil, err
+		}
+		log.Info("export", "name", name, "bytes", d.Size(), "segments", len(t.Lines))
+		return d, nil
+	})
 	if err != nil {
 		return err
 	}
