@@ -49,6 +49,14 @@ type Options struct {
 	Timeout time.Duration
 	// Ready, if set, is called once the kernel runs the device.
 	Ready func(Export)
+	// Follow is how often to ask the server for the export's size, so that
+	// the device follows a reload that grows or shrinks it (the kernel's
+	// nbd driver takes a new size while connected). Zero means every
+	// second; negative, never. NBD has no way for a server to announce a
+	// new size, so this asks, over a connection of its own.
+	Follow time.Duration
+	// Resized, if set, is called after the device took a new size.
+	Resized func(bytes uint64)
 }
 
 // Attach connects opts.Export to opts.Device and serves it until the device
@@ -121,6 +129,9 @@ func Attach(ctx context.Context, opts Options) error {
 			}
 		}()
 	}
+	if opts.Follow >= 0 {
+		go follow(opts, fd, bs, x.Size, stopWatch)
+	}
 	select {
 	case err = <-done:
 	case <-ctx.Done():
@@ -179,6 +190,43 @@ func run(fd int, steps []step, setup chan<- error) error {
 		return fmt.Errorf("NBD_DO_IT: %w", err)
 	}
 	return nil
+}
+
+// follow asks the server for the export's size every opts.Follow and gives
+// the kernel any new one (NBD_SET_SIZE_BLOCKS, which a running device
+// takes: the driver sets the disk's capacity and tells udev). A size the
+// block size does not divide is rounded down, as at attach. Failed asks
+// are retried on the next tick: the server may be restarting.
+func follow(opts Options, fd int, bs int64, size uint64, stop <-chan struct{}) {
+	every := opts.Follow
+	if every == 0 {
+		every = time.Second
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+		}
+		c, err := net.Dial(opts.network(), opts.Addr)
+		if err != nil {
+			continue
+		}
+		x, err := Handshake(c, opts.Export)
+		c.Close()
+		if err != nil || x.Size == size || x.Size/uint64(bs) == 0 {
+			continue
+		}
+		if err := unix.IoctlSetInt(fd, ioctlSetSizeBlocks, int(x.Size/uint64(bs))); err != nil {
+			continue
+		}
+		size = x.Size
+		if opts.Resized != nil {
+			opts.Resized(size)
+		}
+	}
 }
 
 // Detach disconnects device: the kernel sends NBD_CMD_DISC once in-flight
@@ -248,10 +296,7 @@ func blockSize(want int64, x Export) (int64, error) {
 // dial opens one connection, negotiates the export and returns the socket
 // as a blocking file for NBD_SET_SOCK.
 func dial(opts Options) (*os.File, Export, error) {
-	network := opts.Network
-	if network == "" {
-		network = "unix"
-	}
+	network := opts.network()
 	c, err := net.Dial(network, opts.Addr)
 	if err != nil {
 		return nil, Export{}, err
@@ -277,6 +322,13 @@ func dial(opts Options) (*os.File, Export, error) {
 		return nil, Export{}, err
 	}
 	return f, x, nil
+}
+
+func (opts Options) network() string {
+	if opts.Network == "" {
+		return "unix"
+	}
+	return opts.Network
 }
 
 // ParseAddr splits a --socket/--connect pair into a network and address.

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -32,6 +33,7 @@ func runAttach(args []string) error {
 	conns := fs.Int("connections", 1, "sockets to give the kernel; more than 1 needs CAN_MULTI_CONN")
 	bs := fs.Int64("block-size", 0, "logical block size, a power of two in 512..4096 (default: the server's preferred, else 4096)")
 	timeout := fs.Int("timeout", 0, "kernel request timeout in seconds (0: the kernel's default)")
+	follow := fs.Duration("follow", time.Second, "how often to ask the server for the export's size, so the device follows a reload that resizes it (0: never)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -55,6 +57,10 @@ func runAttach(args []string) error {
 		Connections: *conns,
 		BlockSize:   *bs,
 		Timeout:     time.Duration(*timeout) * time.Second,
+		Follow:      cmp.Or(*follow, -1),
+		Resized: func(size uint64) {
+			log.Info("resized", "device", dev, "bytes", size)
+		},
 		Ready: func(x attach.Export) {
 			log.Info("attached", "device", dev, "export", *export, "bytes", x.Size,
 				"flags", fmt.Sprintf("%#x", x.Flags), "connections", *conns)

@@ -382,7 +382,44 @@ test_snapshot() {
 	}
 }
 
-all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot)
+# 8. A device changed while /dev/nbd0 is in use, as dmsetup users do:
+# a reload that moves a segment to a copy of its file (copied while
+# suspended), a suspend of 2 s under a writer (held, not failed), and a
+# grow by appending a segment, which the attached device follows.
+test_lifecycle() {
+	local ctl=/tmp/lifecycle.ctl w i
+	ctlcmd() { "$NBDMAPPER" "$1" --control "$ctl" "${@:2}"; }
+	for f in la lb la2 lc; do truncate -s 32M /tmp/$f.img; done
+	printf '0 65536 linear /tmp/la.img 0\n65536 65536 linear /tmp/lb.img 0\n' >/tmp/l.table
+	printf '0 65536 linear /tmp/la2.img 0\n65536 65536 linear /tmp/lb.img 0\n' >/tmp/l-moved.table
+	{ cat /tmp/l-moved.table; printf '131072 65536 linear /tmp/lc.img 0\n'; } >/tmp/l-grown.table
+	serve /tmp/l.table --control "$ctl" && attach || return 1
+	head -c 64M /dev/urandom >/tmp/ldata
+	dd if=/tmp/ldata of=/dev/nbd0 bs=64k oflag=direct status=none &
+	w=$!
+	ctlcmd reload d /tmp/l-moved.table || return 1
+	ctlcmd suspend d || return 1
+	cp /tmp/la.img /tmp/la2.img
+	ctlcmd resume d || return 1
+	ctlcmd suspend d || return 1
+	sleep 2
+	ctlcmd resume d || return 1
+	wait "$w" || { say "the writer failed"; return 1; }
+	ctlcmd info d
+	ctlcmd info d | grep -q 'Requests held: *[1-9]' || { say "the suspend held nothing"; return 1; }
+	echo 3 >/proc/sys/vm/drop_caches
+	cmp /tmp/ldata /dev/nbd0 || { say "/dev/nbd0 differs from what was written"; return 1; }
+	ctlcmd reload d /tmp/l-grown.table && ctlcmd resume d || return 1
+	for ((i = 0; i < 300; i++)); do
+		[ "$(blockdev --getsize64 /dev/nbd0)" = $((96 << 20)) ] && break
+		sleep 0.1
+	done
+	[ "$(blockdev --getsize64 /dev/nbd0)" = $((96 << 20)) ] || { say "/dev/nbd0 did not grow: $(blockdev --getsize64 /dev/nbd0)"; return 1; }
+	cmp -n $((64 << 20)) /tmp/ldata /dev/nbd0 || { say "data changed by growing"; return 1; }
+	dd if=/dev/urandom of=/dev/nbd0 bs=1M seek=80 count=4 oflag=direct status=none || { say "writing the new segment failed"; return 1; }
+}
+
+all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot lifecycle)
 [ $# -gt 0 ] && all=("$@")
 if [ ! -x "$NBDMAPPER" ]; then
 	for t in "${all[@]}"; do result "$t" FAIL "no nbdmapper binary (did go build fail?)"; done
