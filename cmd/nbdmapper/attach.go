@@ -15,7 +15,7 @@ import (
 )
 
 const attachUsage = `usage:
-  nbdmapper attach [--connections N] [--block-size BYTES] [--timeout SECONDS]
+  nbdmapper attach [--connections N] [--block-size BYTES] [--timeout SECONDS] [--follow D]
                    (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
 

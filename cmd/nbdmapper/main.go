@@ -39,7 +39,7 @@ const usage = `usage:
   nbdmapper reload NAME TABLE_FILE | suspend NAME | resume NAME | clear NAME   [--control PATH]
   nbdmapper table [--inactive] NAME | info NAME | ls | message NAME SECTOR TEXT   [--control PATH]
   nbdmapper check TABLE_FILE
-  nbdmapper attach [--connections N] [--block-size BYTES] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
+  nbdmapper attach [--connections N] [--block-size BYTES] [--follow D] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
   nbdmapper status [--table] [--metrics HOST:PORT|URL] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
                    [--user NAME --password-file FILE]   ask a running server, like dmsetup status/table
