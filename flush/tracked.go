@@ -150,7 +150,7 @@ func (t *tracked) stickyErr() error {
 // the queued sync if there is one, and wakes c's waiters.
 func (t *tracked) run(c *call) {
 	begin := time.Now()
-	err := t.Device.Sync()
+	err := syncDevice(t.Device)
 	took := time.Since(begin)
 
 	t.mu.Lock()
