@@ -288,12 +288,7 @@ func runWorkload(t *testing.T, w workload, round uint64) (images, lostImages int
 					im, res.Lost, res.Stale, res.Garbage, res.Foreign, res.First)
 			}
 		}
-		sum.Sectors += res.Sectors
-		sum.Required += res.Required
-		sum.Lost += res.Lost
-		sum.Stale += res.Stale
-		sum.Garbage += res.Garbage
-		sum.Foreign += res.Foreign
+		sum.Add(res)
 		return nil
 	})
 	if err != nil {
@@ -396,16 +391,7 @@ func checkImage(w workload, imgs map[string]string, m *crash.Model, pos int) (cr
 		if _, err := table.NewDevice(name, tab).ReadAt(p, 0); err != nil {
 			return sum, fmt.Errorf("%s: read: %w", name, err)
 		}
-		r := m.Check(name, pos, p)
-		sum.Sectors += r.Sectors
-		sum.Required += r.Required
-		sum.Lost += r.Lost
-		sum.Stale += r.Stale
-		sum.Garbage += r.Garbage
-		sum.Foreign += r.Foreign
-		if sum.First == "" {
-			sum.First = r.First
-		}
+		sum.Add(m.Check(name, pos, p))
 	}
 	return sum, nil
 }

@@ -157,6 +157,19 @@ type Result struct {
 	First                         string // the first lost sector, described
 }
 
+// Add adds o's counts to r, keeping r's First if it has one.
+func (r *Result) Add(o Result) {
+	r.Sectors += o.Sectors
+	r.Required += o.Required
+	r.Lost += o.Lost
+	r.Stale += o.Stale
+	r.Garbage += o.Garbage
+	r.Foreign += o.Foreign
+	if r.First == "" {
+		r.First = o.First
+	}
+}
+
 // Check compares data, the whole of a view read back from a crash image
 // at log position pos, with the model: each sector must hold the newest
 // version made durable by a flush or FUA reply before pos, or a newer one.

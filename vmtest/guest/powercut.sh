@@ -109,12 +109,12 @@ def write_fs(mnt):
         ack("fs", seq)
         seq += 1
 
-def verify_raw(dev, acked):
-    fd = os.open(dev, os.O_RDONLY)
+def verify(intact, acked):
+    """Counts seq 0..acked that are not intact, then goes on past acked
+    while they are: (bad, first bad, last seq checked)."""
     bad, first_bad, seq = 0, -1, 0
     while True:
-        got = os.pread(fd, BS, seq * BS)
-        ok = len(got) == BS and got == record(seq)
+        ok = intact(seq)
         if not ok and seq > acked:
             break
         if not ok:
@@ -123,21 +123,18 @@ def verify_raw(dev, acked):
         seq += 1
     return bad, first_bad, seq - 1
 
-def verify_fs(mnt, acked):
-    bad, first_bad, seq = 0, -1, 0
-    while True:
+def raw_intact(dev):
+    fd = os.open(dev, os.O_RDONLY)
+    return lambda seq: os.pread(fd, BS, seq * BS) == record(seq)
+
+def fs_intact(mnt):
+    def intact(seq):
         try:
             with open(os.path.join(mnt, "f%d" % seq), "rb") as f:
-                ok = f.read() == record(seq) * (1 + seq % 4)
+                return f.read() == record(seq) * (1 + seq % 4)
         except OSError:
-            ok = False
-        if not ok and seq > acked:
-            break
-        if not ok:
-            bad += 1
-            first_bad = first_bad if first_bad >= 0 else seq
-        seq += 1
-    return bad, first_bad, seq - 1
+            return False
+    return intact
 
 if __name__ == "__main__":
     cmd = sys.argv[1]
@@ -146,8 +143,8 @@ if __name__ == "__main__":
     elif cmd == "write-fs":
         write_fs(sys.argv[2])
     else:
-        fn = verify_raw if cmd == "verify-raw" else verify_fs
-        bad, first_bad, last = fn(sys.argv[2], int(sys.argv[3]))
+        intact = raw_intact if cmd == "verify-raw" else fs_intact
+        bad, first_bad, last = verify(intact(sys.argv[2]), int(sys.argv[3]))
         print("%d %d %d" % (bad, first_bad, last))
 EOF
 
