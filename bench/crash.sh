@@ -6,13 +6,13 @@
 # least MIN images were checked and none lost an acknowledged write.
 #
 #   [TAGS=nbdmapper_broken_flush] bench/crash.sh [ROUNDS] [RANDOM] [OPS] [MIN]
-#   defaults: 4 rounds, 40 random images per point, 40 requests per client, 100000
+#   defaults: 5 rounds, 40 random images per point, 40 requests per client, 100000
 #
 # TAGS builds a deliberately broken server (docs/crash.md) to see the harness
 # fail. The test's log is left in bench/results/crash-*/crash.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=${1:-4}
+rounds=${1:-5}
 random=${2:-40}
 ops=${3:-40}
 min=${4:-100000}

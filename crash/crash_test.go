@@ -195,6 +195,13 @@ func setup(t *testing.T, w workload, files map[string]string) map[string][]byte 
 // runWorkload serves w over a write log, drives it, then checks every
 // crash image. It returns the images checked and how many lost writes.
 func runWorkload(t *testing.T, w workload, round uint64) (images, lostImages int) {
+	return runWorkloadDump(t, w, round, nil)
+}
+
+// runWorkloadDump is runWorkload that also calls dump with each image, the
+// image files (by file key) and every view's status lines and contents,
+// while the files hold the image.
+func runWorkloadDump(t *testing.T, w workload, round uint64, dump func(im crash.Image, imgs map[string]string, views map[string]viewImage) error) (images, lostImages int) {
 	dir := t.TempDir()
 	files := paths(dir, "", w)
 	initial := setup(t, w, files)
@@ -277,9 +284,15 @@ func runWorkload(t *testing.T, w workload, round uint64) (images, lostImages int
 	points := r.Points(m.FlushPositions())
 	var sum crash.Result
 	images, err = r.Run(points, *randomImages, func(im crash.Image) error {
-		res, err := checkImage(w, imgs, m, im.Pos)
+		views := make(map[string]viewImage)
+		res, err := checkImage(w, imgs, m, im.Pos, func(name string, v viewImage) { views[name] = v })
 		if err != nil {
 			return err
+		}
+		if dump != nil {
+			if err := dump(im, imgs, views); err != nil {
+				return err
+			}
 		}
 		if res.Lost > 0 {
 			lostImages++
@@ -349,10 +362,17 @@ func drive(t *testing.T, w workload, m *crash.Model, wlog *backing.WriteLog, soc
 	wg.Wait()
 }
 
+// viewImage is a view as nbdmapper reads it from a crash image.
+type viewImage struct {
+	status string // the table's status lines
+	data   []byte
+}
+
 // checkImage loads the workload's tables over the image files read-only,
 // as `nbdmapper check` and serve would, checks each snapshot store against
-// the kernel's reading of it, and compares every view with the model.
-func checkImage(w workload, imgs map[string]string, m *crash.Model, pos int) (crash.Result, error) {
+// the kernel's reading of it, and compares every view with the model,
+// passing each view to seen.
+func checkImage(w workload, imgs map[string]string, m *crash.Model, pos int, seen func(string, viewImage)) (crash.Result, error) {
 	var sum crash.Result
 	pool := &backing.Pool{ReadOnly: true}
 	defer pool.Close()
@@ -392,6 +412,7 @@ func checkImage(w workload, imgs map[string]string, m *crash.Model, pos int) (cr
 			return sum, fmt.Errorf("%s: read: %w", name, err)
 		}
 		sum.Add(m.Check(name, pos, p))
+		seen(name, viewImage{status: tab.Status(), data: p})
 	}
 	return sum, nil
 }
