@@ -19,7 +19,7 @@ const kernelSamples = 12
 
 // TestKernelReadsCrashImages checks nbdmapper's recovery of the snapshot
 // store against the kernel's: a sample of the crash images of the snapshot
-// workload (spread over the run, with volatile writes persisted) goes to
+// workload (every 45th with volatile writes persisted) goes to
 // the vmtest guest, where dm-snapshot loads each COW image over its origin
 // image (vmtest/guest/crashimages.sh); its status line and the bytes it
 // reads must be nbdmapper's. It boots a VM (a minute or two under TCG).
@@ -48,7 +48,7 @@ func TestKernelReadsCrashImages(t *testing.T) {
 		if im.Persisted == 0 {
 			return nil
 		}
-		if seen++; seen%25 != 0 || dumped == kernelSamples {
+		if seen++; seen%45 != 0 || dumped == kernelSamples {
 			return nil
 		}
 		dir := filepath.Join(out, "crashimg", fmt.Sprintf("%03d", dumped))

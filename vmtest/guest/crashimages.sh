@@ -29,7 +29,7 @@ for d in "$VMOUT"/crashimg/*/; do
 	done
 	ok=1
 	for x in o:nbd0 c:nbd1; do
-		"$NBDMAPPER" attach --socket "$sock" --export "${x%%:*}" "/dev/${x#*:}" >>/tmp/attach.log 2>&1 &
+		"$NBDMAPPER" attach --socket "$sock" --export "${x%%:*}" --block-size 512 "/dev/${x#*:}" >>/tmp/attach.log 2>&1 &
 		for ((i = 0; i < 300; i++)); do
 			[ -e "/sys/block/${x#*:}/pid" ] && break
 			sleep 0.1
