@@ -20,22 +20,10 @@ for d in "$VMOUT"/crashimg/*/; do
 	csz=$(($(stat -c %s /tmp/c.img) / 512))
 	echo "0 $osz linear /tmp/o.img 0" >/tmp/o.table
 	echo "0 $csz linear /tmp/c.img 0" >/tmp/c.table
-	rm -f "$sock"
-	"$NBDMAPPER" serve --socket "$sock" --metrics=off o=/tmp/o.table c=/tmp/c.table >>/tmp/serve.log 2>&1 &
-	serve_pid=$!
-	for ((i = 0; i < 300; i++)); do
-		[ -S "$sock" ] && break
-		sleep 0.1
-	done
 	ok=1
-	for x in o:nbd0 c:nbd1; do
-		"$NBDMAPPER" attach --socket "$sock" --export "${x%%:*}" --block-size 512 "/dev/${x#*:}" >>/tmp/attach.log 2>&1 &
-		for ((i = 0; i < 300; i++)); do
-			[ -e "/sys/block/${x#*:}/pid" ] && break
-			sleep 0.1
-		done
-		[ -e "/sys/block/${x#*:}/pid" ] || ok=0
-	done
+	serve_set --metrics=off o=/tmp/o.table c=/tmp/c.table &&
+		attach_export o /dev/nbd0 --block-size 512 &&
+		attach_export c /dev/nbd1 --block-size 512 || ok=0
 	want_sha=$(sed -n 1p "$d/expect")
 	want_status=$(sed -n 2p "$d/expect")
 	chunk=$(sed -n 3p "$d/expect")
@@ -46,12 +34,12 @@ for d in "$VMOUT"/crashimg/*/; do
 		got_sha=$(sha256sum </dev/mapper/kcrash | cut -d' ' -f1)
 		dmsetup remove kcrash
 	else
-		cat /tmp/attach.log /tmp/dm.log 2>/dev/null | tail -5
+		tail -5 /tmp/dm.log 2>/dev/null
 	fi
 	"$NBDMAPPER" detach /dev/nbd1 >/dev/null 2>&1
 	"$NBDMAPPER" detach /dev/nbd0 >/dev/null 2>&1
-	kill -TERM "$serve_pid" 2>/dev/null
-	wait 2>/dev/null
+	unserve
+	wait # for the attach processes
 	n=$((n + 1))
 	if [ "$got_status" = "$want_status" ] && [ "$got_sha" = "$want_sha" ]; then
 		echo "crashimg $id ok: $got_status"
