@@ -15,11 +15,11 @@ import (
 
 // kernelSamples is how many crash images of the snapshot workload the
 // kernel reads in TestKernelReadsCrashImages.
-const kernelSamples = 12
+const kernelSamples = 8
 
 // TestKernelReadsCrashImages checks nbdmapper's recovery of the snapshot
 // store against the kernel's: a sample of the crash images of the snapshot
-// workload (every 45th with volatile writes persisted) goes to
+// workload (every 70th with volatile writes persisted) goes to
 // the vmtest guest, where dm-snapshot loads each COW image over its origin
 // image (vmtest/guest/crashimages.sh); its status line and the bytes it
 // reads must be nbdmapper's. It boots a VM (a minute or two under TCG).
@@ -48,7 +48,7 @@ func TestKernelReadsCrashImages(t *testing.T) {
 		if im.Persisted == 0 {
 			return nil
 		}
-		if seen++; seen%45 != 0 || dumped == kernelSamples {
+		if seen++; seen%70 != 0 || dumped == kernelSamples {
 			return nil
 		}
 		dir := filepath.Join(out, "crashimg", fmt.Sprintf("%03d", dumped))
