@@ -49,23 +49,8 @@ half_table() {
 start() {
 	half_table 0 >/tmp/raw.table
 	half_table 1 >/tmp/fs.table
-	rm -f "$sock"
-	"$NBDMAPPER" serve --socket "$sock" --metrics=off raw=/tmp/raw.table fs=/tmp/fs.table >>/tmp/serve.log 2>&1 &
-	serve_pid=$!
-	local i dev
-	for ((i = 0; i < 300; i++)); do
-		[ -S "$sock" ] && break
-		sleep 0.1
-	done
-	[ -S "$sock" ] || { cat /tmp/serve.log; return 1; }
-	for dev in raw:nbd0 fs:nbd1; do
-		"$NBDMAPPER" attach --socket "$sock" --export "${dev%%:*}" "/dev/${dev#*:}" >>/tmp/attach.log 2>&1 &
-		for ((i = 0; i < 300; i++)); do
-			[ -e "/sys/block/${dev#*:}/pid" ] && break
-			sleep 0.1
-		done
-		[ -e "/sys/block/${dev#*:}/pid" ] || { cat /tmp/attach.log; return 1; }
-	done
+	serve_set --metrics=off raw=/tmp/raw.table fs=/tmp/fs.table &&
+		attach_export raw /dev/nbd0 && attach_export fs /dev/nbd1
 }
 
 cat >/tmp/powercut.py <<'EOF'
@@ -157,20 +142,28 @@ echo 90 >/proc/sys/vm/dirty_ratio
 
 py=/usr/bin/python3
 
+# check KIND ACK WHERE WHAT [PREFIX]: verify items 0..ACK of KIND (raw
+# or fs) at WHERE with powercut.py, print KIND's metrics and result line;
+# WHAT names the items, PREFIX starts the detail.
+check() {
+	local kind=$1 ack=$2 where=$3 what=$4 prefix=${5:-} bad first last
+	read -r bad first last < <($py /tmp/powercut.py "verify-$kind" "$where" "$ack")
+	metric "${kind}_acked" $((ack + 1))
+	metric "${kind}_found" $((last + 1 - bad))
+	metric "${kind}_lost" "$bad"
+	if [ "$bad" = 0 ]; then
+		result "powercut_$kind" PASS "$prefix$what 0..$ack acknowledged, 0..$last intact"
+	else
+		result "powercut_$kind" FAIL "$prefix$bad of $((ack + 1)) acknowledged $what lost or corrupt, first $first"
+		return 1
+	fi
+}
+
 # run_verify EPOCH RAW_ACK FS_ACK
 run_verify() {
 	export EPOCH=$1
-	local raw_ack=$2 fs_ack=$3 bad first last fsck_rc=0 rc=0
-	read -r bad first last < <($py /tmp/powercut.py verify-raw /dev/nbd0 "$raw_ack")
-	metric raw_acked $((raw_ack + 1))
-	metric raw_found $((last + 1 - bad))
-	metric raw_lost "$bad"
-	if [ "$bad" = 0 ]; then
-		result powercut_raw PASS "records 0..$raw_ack acknowledged, 0..$last intact"
-	else
-		result powercut_raw FAIL "$bad of $((raw_ack + 1)) acknowledged records lost or corrupt, first $first"
-		rc=1
-	fi
+	local raw_ack=$2 fs_ack=$3 fsck_rc=0 rc=0
+	check raw "$raw_ack" /dev/nbd0 records || rc=1
 	mkdir -p /tmp/pc
 	if mount /dev/nbd1 /tmp/pc; then # replays the journal
 		umount /tmp/pc
@@ -184,17 +177,8 @@ run_verify() {
 		result powercut_fs FAIL "after journal replay, e2fsck -fn exit $fsck_rc (99: no mount)"
 		rc=1
 	elif mount -o ro /dev/nbd1 /tmp/pc; then
-		read -r bad first last < <($py /tmp/powercut.py verify-fs /tmp/pc "$fs_ack")
+		check fs "$fs_ack" /tmp/pc files "fsck clean; " || rc=1
 		umount /tmp/pc
-		metric fs_acked $((fs_ack + 1))
-		metric fs_found $((last + 1 - bad))
-		metric fs_lost "$bad"
-		if [ "$bad" = 0 ]; then
-			result powercut_fs PASS "fsck clean; files f0..f$fs_ack fsync'd, f0..f$last intact"
-		else
-			result powercut_fs FAIL "fsck clean, but $bad of $((fs_ack + 1)) fsync'd files lost or corrupt, first f$first"
-			rc=1
-		fi
 	else
 		result powercut_fs FAIL "cannot mount read-only after e2fsck"
 		rc=1
@@ -229,6 +213,5 @@ if [ "${1:-}" = write ]; then
 fi
 "$NBDMAPPER" detach /dev/nbd1 >/dev/null 2>&1
 "$NBDMAPPER" detach /dev/nbd0 >/dev/null 2>&1
-kill -TERM "$serve_pid" 2>/dev/null
-wait "$serve_pid" 2>/dev/null
+unserve
 exit $rc
