@@ -160,7 +160,7 @@ func (t *tracked) stickyErr() error {
 // syncInner syncs the inner device, timing it; a panic becomes an error.
 func (t *tracked) syncInner() (time.Duration, error) {
 	begin := time.Now()
-	err := backing.Guard(t.Name(), t.e.OnPanic, t.Device.Sync)
+	err := backing.Guard(t.Name(), t.e.OnPanic, func() error { return syncDevice(t.Device) })
 	return time.Since(begin), err
 }
 

@@ -348,7 +348,7 @@ func (s *store) commit(es []exception) error {
 func (s *store) flushArea(lo, hi int) error {
 	from := int64(lo*exceptionSize) &^ 511
 	to := min((int64(hi*exceptionSize)+511)&^511, s.chunk)
-	err := s.cow.Sync()
+	err := syncBeforeMetadata(s.cow)
 	if err == nil {
 		err = s.io(s.area[from:to], int64(areaChunk(s.perArea, s.curArea))*s.chunk+from, true)
 	}

@@ -3,7 +3,7 @@
 # in it, so that nbdmapper can be tested through the real kernel nbd driver,
 # dm-linear and ext4, which the host kernel may not have.
 #
-#   vmtest/run.sh [-o OUTDIR] [-d DISK_MiB] [-m MEM_MiB] [-t TIMEOUT_S] SCRIPT [ARGS...]
+#   vmtest/run.sh [-o OUTDIR] [-d DISK_MiB] [-m MEM_MiB] [-t TIMEOUT_S] [-k] SCRIPT [ARGS...]
 #
 # The guest:
 #   - runs Debian's linux-image-amd64 (downloaded with apt-get download and
@@ -15,11 +15,13 @@
 #     nbd-client, dmsetup and mkfs are the guest's;
 #   - has a scratch raw disk OUTDIR/disk.img (DISK_MiB, default 256) on
 #     virtio-blk with cache=writeback, so guest flushes reach the host as
-#     fdatasync: it is /dev/vda in the guest;
+#     fdatasync: it is /dev/vda in the guest; -k keeps the one a previous
+#     run left in OUTDIR (a boot after a power cut);
 #   - has OUTDIR shared read-write at /tmp/vmout ($VMOUT), with the freshly
 #     built nbdmapper (or a copy of $NBDMAPPER_BIN) at $VMOUT/nbdmapper
 #     ($NBDMAPPER);
 #   - has no network; /tmp, /run and /var/tmp are tmpfs.
+# QEMU's pid is in OUTDIR/qemu.pid while it runs (power cuts kill it).
 # SCRIPT (a host path) runs under bash in the guest with ARGS, cwd $VMOUT.
 # Its exit status becomes run.sh's, and is printed as a marker line
 #   VMTEST-EXIT <status>
@@ -31,13 +33,14 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 cache=${VMTEST_CACHE:-$here/cache}
-out="" disk_mb=256 mem_mb=2048 timeout_s=1200
-while getopts "o:d:m:t:" opt; do
+out="" disk_mb=256 mem_mb=2048 timeout_s=1200 keep_disk=0
+while getopts "o:d:m:t:k" opt; do
 	case $opt in
 	o) out=$OPTARG ;;
 	d) disk_mb=$OPTARG ;;
 	m) mem_mb=$OPTARG ;;
 	t) timeout_s=$OPTARG ;;
+	k) keep_disk=1 ;;
 	*) exit 2 ;;
 	esac
 done
@@ -145,8 +148,10 @@ elif command -v go >/dev/null && [ -d "$repo/cmd/nbdmapper" ]; then
 	fi
 fi
 
-rm -f "$out/disk.img"
-truncate -s "${disk_mb}M" "$out/disk.img"
+if [ "$keep_disk" = 0 ] || [ ! -f "$out/disk.img" ]; then
+	rm -f "$out/disk.img"
+	truncate -s "${disk_mb}M" "$out/disk.img"
+fi
 # The guest's /tmp, /run and /var/tmp are its own, and the checkout may live
 # there (CI clones into a temporary folder): always bring the script along,
 # with the guest library beside it, in the shared folder.
@@ -169,7 +174,7 @@ log "booting $kver (TCG, $cpus vCPUs, ${mem_mb} MiB), console in $out/console.lo
 start=$(date +%s)
 set +e
 timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 \
-	-nodefaults -no-user-config -no-reboot -display none \
+	-nodefaults -no-user-config -no-reboot -display none -pidfile "$out/qemu.pid" \
 	-accel tcg,thread=multi -cpu max -smp "$cpus" -m "$mem_mb" \
 	-kernel "$vmlinuz" -initrd "$initrd" \
 	-append "console=ttyS0 panic=-1 quiet loglevel=3 random.trust_cpu=on" \

@@ -302,7 +302,7 @@ func TestHostileLoad(t *testing.T) {
 			return
 		}
 		defer c.Close()
-		length := uint32(min(c.Size, 1<<32-512))
+		length := uint32(min(c.Size(), 1<<32-512))
 		kinds := []uint16{nbdtest.CmdTrim, nbdtest.CmdBlockStatus, nbdtest.CmdCache, nbdtest.CmdWriteZeroes}
 		for h := range depth {
 			if err := c.Send(kinds[(h+id)%len(kinds)], 0, uint64(h), 0, length); err != nil {

@@ -12,20 +12,38 @@ import (
 // Client is a small NBD client (fixed newstyle, written from proto.md) for
 // what libnbd will not do: requests longer than its 64 MiB cap, thousands
 // of requests in flight, no block-size negotiation, hanging up at any
-// point. It returns errors instead of failing a test, so any goroutine may
-// use it; Send and Recv each belong to one goroutine at a time.
+// point, acting on each reply the moment it arrives. It returns errors
+// instead of failing a test, so any goroutine may use it; Send and Recv
+// each belong to one goroutine at a time.
+//
+// Pipelined:
 //
 //	c, _ := nbdtest.DialNBD("unix", sock, "d", nbdtest.Structured)
 //	c.Send(nbdtest.CmdWrite, 0, 1, 0, uint32(len(p)))
 //	c.Write(p)
 //	r, _ := c.Recv() // r.Handle == 1, r.Errno == 0
+//
+// Or one request and its reply at a time, as libnbd's synchronous calls:
+//
+//	c.Pwrite(p, off, true) // with FUA
+//	c.Flush()
 type Client struct {
-	nc    net.Conn
-	br    *bufio.Reader
-	bw    *bufio.Writer
-	Size  uint64 // export size from NBD_INFO_EXPORT
-	Flags uint16 // transmission flags
+	nc     net.Conn
+	br     *bufio.Reader
+	bw     *bufio.Writer
+	size   uint64 // from NBD_INFO_EXPORT
+	flags  uint16
+	cookie uint64 // the last handle the synchronous calls used
 }
+
+// Size is the export size the server announced.
+func (c *Client) Size() uint64 { return c.size }
+
+// Flags are the transmission flags the server announced.
+func (c *Client) Flags() uint16 { return c.flags }
+
+// Dial connects to export on a unix socket with no protocol extensions.
+func Dial(socket, export string) (*Client, error) { return DialNBD("unix", socket, export) }
 
 // Commands, command flags and options, as proto.md numbers them.
 const (
@@ -101,7 +119,7 @@ func (c *Client) handshake(export string, opts []DialOption) error {
 	}
 	for _, in := range infos {
 		if len(in) >= 12 && binary.BigEndian.Uint16(in) == 0 {
-			c.Size, c.Flags = binary.BigEndian.Uint64(in[2:]), binary.BigEndian.Uint16(in[10:])
+			c.size, c.flags = binary.BigEndian.Uint64(in[2:]), binary.BigEndian.Uint16(in[10:])
 			return nil
 		}
 	}
@@ -141,7 +159,7 @@ func (c *Client) option(id uint32, data []byte) ([][]byte, error) {
 }
 
 // Send writes a request header; a WRITE's payload follows with Write.
-// Nothing leaves until Flush, Recv or a full buffer.
+// Nothing leaves until Recv or a full buffer.
 func (c *Client) Send(typ, flags uint16, handle, off uint64, length uint32) error {
 	b := binary.BigEndian.AppendUint32(make([]byte, 0, 28), 0x25609513)
 	b = binary.BigEndian.AppendUint16(b, flags)
@@ -156,8 +174,6 @@ func (c *Client) Send(typ, flags uint16, handle, off uint64, length uint32) erro
 // Write sends payload bytes.
 func (c *Client) Write(p []byte) (int, error) { return c.bw.Write(p) }
 
-// Flush sends what is buffered.
-func (c *Client) Flush() error { return c.bw.Flush() }
 
 // Reply is a simple reply or one structured reply chunk.
 type Reply struct {
@@ -224,6 +240,64 @@ func (c *Client) Recv() (Reply, error) {
 
 // Read reads reply data (see Recv).
 func (c *Client) Read(p []byte) (int, error) { return c.br.Read(p) }
+
+// ErrnoError is an NBD error reply to a synchronous call.
+type ErrnoError uint32
+
+func (e ErrnoError) Error() string { return fmt.Sprintf("NBD error %d", uint32(e)) }
+
+// do sends one request (and payload) and waits for its reply, which must
+// be the next one; a READ's data goes into into.
+func (c *Client) do(typ, flags uint16, off uint64, length uint32, payload, into []byte) error {
+	c.cookie++
+	if err := c.Send(typ, flags, c.cookie, off, length); err != nil {
+		return err
+	}
+	if _, err := c.Write(payload); err != nil {
+		return err
+	}
+	for {
+		r, err := c.Recv()
+		if err != nil {
+			return err
+		}
+		if r.Handle != c.cookie {
+			return fmt.Errorf("reply for handle %d, want %d", r.Handle, c.cookie)
+		}
+		if r.Errno != 0 {
+			return ErrnoError(r.Errno)
+		}
+		switch {
+		case r.Simple && typ == CmdRead:
+			_, err = io.ReadFull(c, into)
+			return err
+		case r.Type == 1: // OFFSET_DATA
+			if _, err := io.ReadFull(c, into[r.Offset-off:][:r.DataLen]); err != nil {
+				return err
+			}
+		}
+		if r.Done() {
+			return nil
+		}
+	}
+}
+
+// Pwrite writes p at off and waits for the reply, with FUA if fua.
+func (c *Client) Pwrite(p []byte, off int64, fua bool) error {
+	var flags uint16
+	if fua {
+		flags = FlagFUA
+	}
+	return c.do(CmdWrite, flags, uint64(off), uint32(len(p)), p, nil)
+}
+
+// Pread reads len(p) bytes at off into p.
+func (c *Client) Pread(p []byte, off int64) error {
+	return c.do(CmdRead, 0, uint64(off), uint32(len(p)), nil, p)
+}
+
+// Flush sends NBD_CMD_FLUSH and waits for its reply.
+func (c *Client) Flush() error { return c.do(CmdFlush, 0, 0, 0, nil, nil) }
 
 // Close hangs up without NBD_CMD_DISC.
 func (c *Client) Close() error { return c.nc.Close() }

@@ -30,8 +30,14 @@ gen_table() {
 serve() {
 	local t=$1
 	shift
+	serve_set "$@" d="$t"
+}
+
+# serve_set [serve flags...] NAME=TABLE...: start nbdmapper serve with
+# these exports.
+serve_set() {
 	rm -f "$sock"
-	"$NBDMAPPER" serve --socket "$sock" "$@" d="$t" >>/tmp/serve.log 2>&1 &
+	"$NBDMAPPER" serve --socket "$sock" "$@" >>/tmp/serve.log 2>&1 &
 	serve_pid=$!
 	local i
 	for ((i = 0; i < 300; i++)); do
@@ -48,7 +54,14 @@ serve() {
 attach() {
 	local dev=${1:-/dev/nbd0}
 	shift || true
-	"$NBDMAPPER" attach --socket "$sock" --export d "$@" "$dev" >>/tmp/attach.log 2>&1 &
+	attach_export d "$dev" "$@"
+}
+
+# attach_export EXPORT DEV [attach flags...]: attach EXPORT as DEV.
+attach_export() {
+	local name=$1 dev=$2
+	shift 2
+	"$NBDMAPPER" attach --socket "$sock" --export "$name" "$@" "$dev" >>/tmp/attach.log 2>&1 &
 	attach_pid=$!
 	local i
 	for ((i = 0; i < 300; i++)); do
