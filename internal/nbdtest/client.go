@@ -174,7 +174,6 @@ func (c *Client) Send(typ, flags uint16, handle, off uint64, length uint32) erro
 // Write sends payload bytes.
 func (c *Client) Write(p []byte) (int, error) { return c.bw.Write(p) }
 
-
 // Reply is a simple reply or one structured reply chunk.
 type Reply struct {
 	Simple  bool
