@@ -41,6 +41,11 @@ type Server struct {
 	// for concurrent use.
 	Observe func(export, op string, bytes int64, errno uint32, d time.Duration)
 
+	// OnPanic, if set, is called with the value and stack of every panic
+	// the server recovers from, after it is logged. Fuzzers and soaks set
+	// it to fail on a panic the server would otherwise survive silently.
+	OnPanic func(v any, stack []byte)
+
 	initOnce sync.Once
 	stats    map[*Export]*exportStats
 

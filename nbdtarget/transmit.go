@@ -239,7 +239,11 @@ func (c *conn) handle(j *job) {
 func (c *conn) run(j *job) {
 	defer func() {
 		if p := recover(); p != nil {
-			c.log.Error("nbd request panicked", "op", Ops[opIndex(j.req.Type)], "panic", p, "stack", string(debug.Stack()))
+			stack := debug.Stack()
+			c.log.Error("nbd request panicked", "op", Ops[opIndex(j.req.Type)], "panic", p, "stack", string(stack))
+			if h := c.srv.OnPanic; h != nil {
+				h(p, stack)
+			}
 			j.errno, j.msg, j.hasErrOff = EIO, "internal server error", false
 		}
 	}()
