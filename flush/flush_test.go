@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/golden"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"golang.org/x/sys/unix"
 )
 
@@ -62,12 +62,12 @@ func devStats(e *Engine, name string) DeviceStats {
 }
 
 // waitRequested waits until n flushes have registered with the device (the
-// registration is what orders them; the wait itself has no time limit).
-func waitRequested(e *Engine, name string, n uint64) {
-	for devStats(e, name).Requested < n {
-		runtime.Gosched()
-		time.Sleep(time.Millisecond)
-	}
+// registration is what orders them).
+func waitRequested(t testing.TB, e *Engine, name string, n uint64) {
+	t.Helper()
+	nbdtest.Until(t, fmt.Sprintf("%d flushes of %s to register", n, name), func() bool {
+		return devStats(e, name).Requested >= n
+	})
 }
 
 // TestPlanGolden drives scripted scenarios and records every plan, so that a
@@ -122,19 +122,19 @@ func TestPlanGolden(t *testing.T) {
 				}()
 			}
 			flushAsync(0) // F1 starts S1
-			<-entered
+			nbdtest.Recv(t, entered, "a sync to reach the device")
 			log("F2 arrives during S1, nothing new written", e.Plan(devs))
 			flushAsync(1)
-			waitRequested(e, "a.img", 2)
+			waitRequested(t, e, "a.img", 2)
 			a.write(t, 2, 3)
 			log("F3 arrives after a write during S1", e.Plan(devs))
 			flushAsync(2)
-			waitRequested(e, "a.img", 3)
+			waitRequested(t, e, "a.img", 3)
 			log("F4 arrives too", e.Plan(devs))
 			flushAsync(3)
-			waitRequested(e, "a.img", 4)
+			waitRequested(t, e, "a.img", 4)
 			release()
-			wg.Wait()
+			nbdtest.Wait(t, &wg, "the flushes")
 			for i, p := range plans[:4] {
 				log(fmt.Sprintf("F%d did", i+1), p)
 			}
@@ -199,7 +199,7 @@ func TestConcurrentFlushesCleanDevice(t *testing.T) {
 			}
 		}()
 	}
-	wg.Wait()
+	nbdtest.Wait(t, &wg, "the flushes")
 	if a.faulty.Syncs()+b.faulty.Syncs() != 0 {
 		t.Fatalf("clean devices saw %d+%d syncs, want 0", a.faulty.Syncs(), b.faulty.Syncs())
 	}
@@ -229,7 +229,7 @@ func TestConcurrentFlushesDuringSync(t *testing.T) {
 			a.write(t, 0, 1)
 			first := make(chan error)
 			go func() { first <- e.Flush([]backing.Device{a.dev}) }()
-			<-entered
+			nbdtest.Recv(t, entered, "a sync to reach the device")
 			if tc.writeDuring {
 				a.write(t, 1, 2)
 			}
@@ -247,12 +247,12 @@ func TestConcurrentFlushesDuringSync(t *testing.T) {
 					}
 				}()
 			}
-			waitRequested(e, "a.img", 33)
+			waitRequested(t, e, "a.img", 33)
 			release()
-			if err := <-first; err != nil {
+			if err := nbdtest.Recv(t, first, "the first flush"); err != nil {
 				t.Fatal(err)
 			}
-			wg.Wait()
+			nbdtest.Wait(t, &wg, "the flushes")
 			if got := a.faulty.Syncs(); got != tc.wantSyncs {
 				t.Errorf("device saw %d syncs, want %d", got, tc.wantSyncs)
 			}
@@ -272,10 +272,10 @@ func TestWriteDuringSyncStaysDirty(t *testing.T) {
 	a.write(t, 0, 1)
 	done := make(chan error)
 	go func() { done <- e.Flush([]backing.Device{a.dev}) }()
-	<-entered
+	nbdtest.Recv(t, entered, "a sync to reach the device")
 	a.write(t, 1, 2)
 	release()
-	if err := <-done; err != nil {
+	if err := nbdtest.Recv(t, done, "the flush"); err != nil {
 		t.Fatal(err)
 	}
 	if !devStats(e, "a.img").Dirty {
@@ -348,7 +348,7 @@ func TestRandomDurability(t *testing.T) {
 			}
 		}()
 	}
-	wg.Wait()
+	nbdtest.Wait(t, &wg, "the flushes")
 	s := e.Stats()
 	var total uint64
 	for _, d := range s.Devices {
