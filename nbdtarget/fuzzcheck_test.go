@@ -189,13 +189,13 @@ func expectFor(r wireReq, s *session, m *devModel) expect {
 type result struct {
 	done   bool
 	errno  uint32
-	order  int       // position among completed requests
-	data   []byte    // READ: bytes received (holes as zeros)
-	got    []bool    // READ: which bytes a chunk covered
+	order  int    // position among completed requests
+	data   []byte // READ: bytes received (holes as zeros)
+	got    []bool // READ: which bytes a chunk covered
 	exts   [][2]uint32
-	bsSeen int       // BLOCK_STATUS chunks
-	data1  int       // OFFSET_DATA chunks
-	holes  int       // OFFSET_HOLE chunks
+	bsSeen int // BLOCK_STATUS chunks
+	data1  int // OFFSET_DATA chunks
+	holes  int // OFFSET_HOLE chunks
 }
 
 // replyChecker checks one connection's transmission replies.

@@ -39,12 +39,12 @@ const fuzzTable = `0 32 linear a 0
 
 // Byte classes of the model: what a request touching the byte may see.
 const (
-	clsMapped  uint8 = iota
-	clsZero          // reads zeros, writes dropped
-	clsError         // every I/O fails
-	clsFail          // reads and writes fail, trims and zeroing work
-	clsNoZero        // WRITE_ZEROES with FAST_ZERO fails with ENOTSUP
-	clsReadOnly      // the read-only export
+	clsMapped   uint8 = iota
+	clsZero           // reads zeros, writes dropped
+	clsError          // every I/O fails
+	clsFail           // reads and writes fail, trims and zeroing work
+	clsNoZero         // WRITE_ZEROES with FAST_ZERO fails with ENOTSUP
+	clsReadOnly       // the read-only export
 )
 
 const (
