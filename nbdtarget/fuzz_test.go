@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"sync"
@@ -116,9 +117,10 @@ const fuzzBound = 5 * time.Second
 
 // fuzzMode is how one fuzz input is served.
 type fuzzMode struct {
-	serial    bool // one request in flight: replies in order, exact model
-	batch     bool // the discard engine gathers trims in a window
-	handshake bool // the input starts with the handshake
+	serial    bool   // one request in flight: replies in order, exact model
+	batch     bool   // the discard engine gathers trims in a window
+	handshake bool   // the input starts with the handshake
+	file      string // the file behind the file segment
 	// Without a handshake: the session to start transmission in.
 	readOnly, structured, meta bool
 }
@@ -126,7 +128,7 @@ type fuzzMode struct {
 // fuzzSession runs one connection over a fresh rig and checks every byte
 // the server sent, then the export's contents.
 func fuzzSession(t testing.TB, in []byte, mode fuzzMode) {
-	rig := newFuzzRig(t, mode.serial, mode.batch)
+	rig := newFuzzRig(t, mode.file, mode.serial, mode.batch)
 	defer rig.close()
 	in = slices.Clone(in)
 	var reqs []wireReq
@@ -195,8 +197,9 @@ func FuzzHandshake(f *testing.F) {
 	f.Add([]byte{0, 0, 0, 3, 'I', 'H', 'A', 'V', 'E', 'O', 'P', 'T', 0, 0, 0, 1, 0, 0, 0, 2, 'r', 'o'})
 	f.Add([]byte{0, 0, 0, 1, 'I', 'H', 'A', 'V', 'E', 'O', 'P', 'T', 0, 0, 0, 2, 0, 0, 0, 0})
 	f.Add([]byte{0, 0, 0, 3, 'I', 'H', 'A', 'V', 'E', 'O', 'P', 'T', 0, 0, 0, 7, 0, 1, 0, 0})
+	file := filepath.Join(f.TempDir(), "file.img")
 	f.Fuzz(func(t *testing.T, data []byte) {
-		fuzzSession(t, data, fuzzMode{serial: len(data)%2 == 0, batch: len(data)%3 == 0, handshake: true})
+		fuzzSession(t, data, fuzzMode{serial: len(data)%2 == 0, batch: len(data)%3 == 0, handshake: true, file: file})
 	})
 }
 
@@ -217,6 +220,7 @@ func FuzzRequest(f *testing.F) {
 		request{Type: cmdWrite, Handle: 2, Offset: 56*kb - 700, Length: 1400},
 		request{Type: cmdBlockStatus, Handle: 2, Offset: 0, Length: fuzzSize},
 	)...))
+	file := filepath.Join(f.TempDir(), "file.img")
 	f.Fuzz(func(t *testing.T, data []byte) {
 		if len(data) == 0 {
 			return
@@ -235,6 +239,7 @@ func FuzzRequest(f *testing.F) {
 			readOnly:   mode&4 != 0,
 			serial:     mode&8 == 0,
 			batch:      mode&16 != 0,
+			file:       file,
 		})
 	})
 }

@@ -3,9 +3,7 @@ package nbdtarget
 import (
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
@@ -69,14 +67,6 @@ var fuzzClasses = func() []uint8 {
 	return cls
 }()
 
-// fuzzFile is the file behind the file segment: one per process, rewritten
-// for every input.
-var fuzzFile struct {
-	once sync.Once
-	path string
-	err  error
-}
-
 // holesUnknown hides a Faulty device's Holes, which report the inner
 // device's holes and not its cache (a test device's limit, not the
 // server's), and keeps its WriteAtDSync visible.
@@ -97,15 +87,10 @@ type fuzzRig struct {
 // newFuzzRig builds the exports with every mapped byte set to its pattern.
 // serial runs one request at a time per connection (MaxInFlight 1), so that
 // the model can be exact; batch lets the discard engine gather trims.
-func newFuzzRig(t testing.TB, serial, batch bool) *fuzzRig {
+//
+// The file segment is file, rewritten for every input.
+func newFuzzRig(t testing.TB, file string, serial, batch bool) *fuzzRig {
 	t.Helper()
-	fuzzFile.once.Do(func() {
-		dir, err := os.MkdirTemp("", "nbdfuzz")
-		fuzzFile.path, fuzzFile.err = filepath.Join(dir, "file.img"), err
-	})
-	if fuzzFile.err != nil {
-		t.Fatal(fuzzFile.err)
-	}
 	seg := func(from, n int64) []byte {
 		b := make([]byte, n)
 		for i := range b {
@@ -113,7 +98,7 @@ func newFuzzRig(t testing.TB, serial, batch bool) *fuzzRig {
 		}
 		return b
 	}
-	if err := os.WriteFile(fuzzFile.path, seg(56*kb, 16*kb), 0o600); err != nil {
+	if err := os.WriteFile(file, seg(56*kb, 16*kb), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	mem := func(name string, size, vfrom int64) *backing.Mem {
@@ -145,7 +130,7 @@ func newFuzzRig(t testing.TB, serial, batch bool) *fuzzRig {
 	pool.Add("c", holesUnknown{fc})
 	pool.Add("so", mem("so", 16*kb, 80*kb))
 	pool.Add("sc", backing.NewMem("sc", 64*kb))
-	tb, err := table.Parse("fuzz.table", strings.NewReader(fmt.Sprintf(fuzzTable, fuzzFile.path)), pool)
+	tb, err := table.Parse("fuzz.table", strings.NewReader(fmt.Sprintf(fuzzTable, file)), pool)
 	if err != nil {
 		pool.Close()
 		t.Fatal(err)
