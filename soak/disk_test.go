@@ -78,6 +78,7 @@ type faults struct {
 	maxDelay                            time.Duration
 
 	nEIO, nENOSPC, nSyncFail, nSlow, nPanic atomic.Int64
+	nSync                                   atomic.Int64 // syncs asked for
 }
 
 func (f *faults) hit(p float64) bool { return f != nil && f.on.Load() && p > 0 && rand.Float64() < p }
@@ -247,6 +248,9 @@ func (d *disk) WriteAtDSync(p []byte, off int64) (int, error) {
 func (d *disk) Sync() error {
 	if d.dead.Load() {
 		return errDead
+	}
+	if d.faults != nil {
+		d.faults.nSync.Add(1)
 	}
 	fail := d.faults.hit(d.faults.syncFail)
 	if fail {

@@ -148,13 +148,20 @@ func (m *model) startRead() uint64 {
 	return t
 }
 
-func (m *model) endRead(r0 uint64) uint64 {
+// answered returns the time a read's answer arrived. The read stays
+// registered, so that nothing it may see is pruned, until doneRead.
+func (m *model) answered() uint64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.tick()
+}
+
+func (m *model) doneRead(r0 uint64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.reads[r0]--; m.reads[r0] == 0 {
 		delete(m.reads, r0)
 	}
-	return m.tick()
 }
 
 func (m *model) startFlush() uint64 {
@@ -200,9 +207,19 @@ func (m *model) prune(es []entry) []entry {
 	for r := range m.reads {
 		oldest = min(oldest, r)
 	}
+	// Decide for every entry before moving any: the test reads them all.
+	drop := make([]bool, len(es))
+	any := false
+	for k := range es {
+		drop[k] = m.overwritten(es, &es[k], oldest, true)
+		any = any || drop[k]
+	}
+	if !any {
+		return es
+	}
 	out := es[:0]
 	for k := range es {
-		if !m.overwritten(es, &es[k], oldest, true) {
+		if !drop[k] {
 			out = append(out, es[k])
 		}
 	}

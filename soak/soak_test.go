@@ -40,6 +40,7 @@ var (
 	flagDepth    = flag.Int("soak.depth", 8, "requests each connection keeps in flight")
 	flagPanics   = flag.Bool("soak.panics", true, "inject panics into device calls")
 	flagFaults   = flag.Float64("soak.faults", 1.0/2000, "probability of each fault kind per device call")
+	flagSyncFail = flag.Float64("soak.syncfaults", 1.0/200, "probability that a sync fails and loses what it was writing back")
 	flagAborts   = flag.Float64("soak.aborts", 1.0/3000, "probability per request that the client aborts its connection")
 	flagDir      = flag.String("soak.dir", "", "directory for the backing files (default: the test's temporary directory)")
 	flagReport   = flag.String("soak.report", "", "file to write the figures to")
@@ -126,7 +127,7 @@ func TestSoak(t *testing.T) {
 	}
 	defer os.RemoveAll(sockDir)
 	r := &rig{t: t, dir: dir, sock: filepath.Join(sockDir, "s"), st: new(stats),
-		full:   &faults{eio: *flagFaults, enospc: *flagFaults, syncFail: *flagFaults, slow: *flagFaults, maxDelay: *flagMaxDelay},
+		full:   &faults{eio: *flagFaults, enospc: *flagFaults, syncFail: *flagSyncFail, slow: *flagFaults, maxDelay: *flagMaxDelay},
 		slow:   &faults{slow: *flagFaults, maxDelay: *flagMaxDelay},
 		models: map[string]*model{"main": newModel("main", 1, 12288), "org": newModel("org", 2, 2048)}}
 	if *flagPanics {
@@ -479,7 +480,8 @@ func (r *rig) request(c *nbdConn, m *model, sectors int64, release func()) (*cal
 		cl.typ, cl.off, cl.n = cmdRead, s*sector, n*sector
 		r0 := m.startRead()
 		cl.done = func(cl *call) {
-			r1 := m.endRead(r0)
+			r1 := m.answered()
+			defer m.doneRead(r0)
 			if !finish(cl) {
 				return
 			}
@@ -566,7 +568,8 @@ func (r *rig) request(c *nbdConn, m *model, sectors int64, release func()) (*cal
 		}
 		r0 := m.startRead()
 		cl.done = func(cl *call) {
-			r1 := m.endRead(r0)
+			r1 := m.answered()
+			defer m.doneRead(r0)
 			if !finish(cl) {
 				return
 			}
@@ -627,6 +630,7 @@ func (r *rig) report(t *testing.T, d time.Duration) {
 	fmt.Fprintf(&b, "\nfaults injected       EIO %d, ENOSPC %d, failed sync %d, delay %d, panic %d (recovered by the server: %d)\n",
 		r.full.nEIO.Load()+r.slow.nEIO.Load(), r.full.nENOSPC.Load(), r.full.nSyncFail.Load(),
 		r.full.nSlow.Load()+r.slow.nSlow.Load(), r.full.nPanic.Load(), st.panics.Load())
+	fmt.Fprintf(&b, "device syncs          %d\n", r.full.nSync.Load()+r.slow.nSync.Load())
 	fmt.Fprintf(&b, "client aborts         mid-header %d, mid-payload %d, replies in flight %d\n",
 		st.aborts[0].Load(), st.aborts[1].Load(), st.aborts[2].Load())
 	fmt.Fprintf(&b, "power cuts            %d (sectors checked after them: %d)\n", st.crashes.Load(), st.sweptSectors.Load())
