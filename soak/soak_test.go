@@ -35,6 +35,7 @@ import (
 
 var (
 	flagOps      = flag.Int64("soak.ops", 20000, "operations to complete in all")
+	flagDuration = flag.Duration("soak.duration", 0, "stop after this long even if -soak.ops are not done (0: no limit)")
 	flagCrashes  = flag.Int("soak.crashes", 8, "power cuts (each followed by a restart and a full check)")
 	flagConns    = flag.Int("soak.conns", 8, "client connections at a time, over both exports")
 	flagDepth    = flag.Int("soak.depth", 8, "requests each connection keeps in flight")
@@ -144,18 +145,20 @@ func TestSoak(t *testing.T) {
 		}
 	}
 	start := time.Now()
-	perCycle := ops / int64(crashes+1)
+	perCycle := max(ops/int64(crashes+1), 1)
 	for cycle := 0; cycle <= crashes; cycle++ {
+		last := cycle == crashes || (*flagDuration > 0 && time.Since(start) > *flagDuration)
 		r.start()
 		if cycle > 0 {
 			r.sweep()
 		}
 		r.full.on.Store(true)
 		r.slow.on.Store(true)
-		r.run(perCycle, cycle < crashes)
-		if cycle < crashes {
-			r.st.crashes.Add(1)
+		r.run(perCycle, !last)
+		if last {
+			break
 		}
+		r.st.crashes.Add(1)
 	}
 	r.report(t, time.Since(start))
 }
@@ -390,7 +393,7 @@ func (r *rig) drive(c *nbdConn, m *model, stop chan struct{}, completed func()) 
 		if err := c.send(cl, payload); err != nil {
 			return
 		}
-		if len(sem) == cap(sem) || rand.N(4) == 0 {
+		if len(sem) == cap(sem) || rand.N(8) == 0 {
 			if err := c.flush(); err != nil {
 				return
 			}
