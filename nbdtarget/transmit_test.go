@@ -6,6 +6,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -375,7 +377,13 @@ func TestDiscFinishesOutstanding(t *testing.T) {
 	c.request(cmdRead, 0, 1, offGate, 512, nil)
 	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
 	c.request(cmdDisc, 0, 2, 0, 0, nil)
-	time.AfterFunc(10*time.Millisecond, func() { close(f.gate.release) })
+	// Release the read only once the server has taken DISC and stopped
+	// reading, so a server that closed at DISC would have done so by now.
+	nbdtest.Until(t, "the server to stop reading after DISC", func() bool {
+		buf := make([]byte, 1<<20)
+		return !strings.Contains(string(buf[:runtime.Stack(buf, true)]), "nbdtarget.(*conn).read(")
+	})
+	close(f.gate.release)
 	if h, e, _ := c.simple(512); h != 1 || e != 0 {
 		t.Fatalf("outstanding read: handle %d errno %d", h, e)
 	}
