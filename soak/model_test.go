@@ -241,10 +241,21 @@ func (m *model) readOK(s int64, val, r0, r1 uint64) (bool, string) {
 	return false, describe(es, m)
 }
 
-// afterCrash checks what sector s holds after a power cut and a restart,
-// and makes that the sector's only entry. It returns "" if val is allowed,
-// else why not.
-func (m *model) afterCrash(s int64, val uint64) string {
+// afterCrash checks what sector s holds after a power cut and a restart:
+// any value not overwritten by a durable operation, "lost" if only a
+// durable overwrite rules it out. It makes that the sector's only entry.
+func (m *model) afterCrash(s int64, val uint64) string { return m.settle(s, val, true, "lost") }
+
+// afterKill checks what sector s holds after the server process was killed
+// and restarted: the files keep every write the server made (the page cache
+// survives a process), so any value not overwritten by an answered
+// operation; "lost acknowledged write" if only an answered overwrite rules
+// it out.
+func (m *model) afterKill(s int64, val uint64) string {
+	return m.settle(s, val, false, "lost acknowledged write")
+}
+
+func (m *model) settle(s int64, val uint64, durable bool, lost string) string {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	es := m.sectors[s]
@@ -254,11 +265,11 @@ func (m *model) afterCrash(s int64, val uint64) string {
 		if e.val != val {
 			continue
 		}
-		if !m.overwritten(es, e, pending, true) {
+		if !m.overwritten(es, e, pending, durable) {
 			verdict = ""
 			break
 		}
-		verdict = "lost"
+		verdict = lost
 	}
 	if verdict != "" {
 		verdict = fmt.Sprintf("%s: sector %d holds op %d; %s", verdict, s, val, describe(es, m))

@@ -108,9 +108,12 @@ type rig struct {
 	st     *stats
 	opID   atomic.Uint64
 
-	srv   *nbdtarget.Server
-	disks []*disk
-	close func()
+	srv     *nbdtarget.Server
+	disks   []*disk
+	kill    bool        // the cut is a SIGKILL of the server, not a power cut
+	cutting atomic.Bool // the cut has come: a client failing to dial stops
+	cut     func()      // the power cut (or kill) with requests in flight
+	close   func()      // stops the server
 }
 
 func TestSoak(t *testing.T) {
@@ -134,26 +137,18 @@ func TestSoak(t *testing.T) {
 	if *flagPanics {
 		r.full.panics = *flagFaults
 	}
-	for name, size := range diskSizes {
-		f, err := os.Create(filepath.Join(dir, name))
-		if err == nil {
-			err = f.Truncate(size)
-			f.Close()
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
+	createDisks(t, dir)
 	start := time.Now()
 	perCycle := max(ops/int64(crashes+1), 1)
 	for cycle := 0; cycle <= crashes; cycle++ {
 		last := cycle == crashes || (*flagDuration > 0 && time.Since(start) > *flagDuration)
 		r.start()
 		if cycle > 0 {
-			r.sweep()
+			r.sweep((*model).afterCrash)
 		}
 		r.full.on.Store(true)
 		r.slow.on.Store(true)
+		r.cutting.Store(false)
 		r.run(perCycle, !last)
 		if last {
 			break
@@ -161,6 +156,18 @@ func TestSoak(t *testing.T) {
 		r.st.crashes.Add(1)
 	}
 	r.report(t, time.Since(start))
+}
+
+// createDisks creates the backing files, sparse, in dir.
+func createDisks(t *testing.T, dir string) {
+	for name, size := range diskSizes {
+		if err := os.WriteFile(filepath.Join(dir, name), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(filepath.Join(dir, name), size); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 // start opens the disks, builds the tables and serves them.
@@ -207,6 +214,11 @@ func (r *rig) start() {
 	}
 	served := make(chan error, 1)
 	go func() { served <- r.srv.Serve(l) }()
+	r.cut = func() {
+		for _, d := range r.disks {
+			d.Crash()
+		}
+	}
 	r.close = func() {
 		ctx, cancel := context.WithTimeout(context.Background(), bound)
 		defer cancel()
@@ -225,9 +237,10 @@ func (r *rig) start() {
 	}
 }
 
-// sweep reads both exports whole after a power cut, checks every sector
-// against what may have survived, and makes what it found the model.
-func (r *rig) sweep() {
+// sweep reads both exports whole after a power cut (or a kill), checks
+// every sector with after, which also makes what it found the model, and
+// counts what after reports: "lost..." or any other failure.
+func (r *rig) sweep(after func(m *model, s int64, val uint64) string) {
 	t := r.t
 	for name, m := range r.models {
 		c, err := dialNBD(r.sock, name, false)
@@ -259,9 +272,9 @@ func (r *rig) sweep() {
 				why := ""
 				if !ok {
 					why = fmt.Sprintf("wrong: sector %d holds no stamp of this export: %x...", s, cl.data[i*sector:i*sector+32])
-					m.afterCrash(s, 0)
+					after(m, s, 0)
 				} else {
-					why = m.afterCrash(s, val)
+					why = after(m, s, val)
 				}
 				r.st.sweptSectors.Add(1)
 				switch {
@@ -321,9 +334,8 @@ func (r *rig) run(n int64, crash bool) {
 		}
 	}
 	if crash {
-		for _, d := range r.disks {
-			d.Crash()
-		}
+		r.cutting.Store(true)
+		r.cut()
 	}
 	close(stop)
 	connsMu.Lock()
@@ -356,12 +368,9 @@ func (r *rig) worker(export string, stop chan struct{}, connsMu *sync.Mutex, con
 		structured := rand.N(4) != 0
 		c, err := dialNBD(r.sock, export, structured)
 		if err != nil {
-			select {
-			case <-stop:
-				return
-			default:
+			if !r.cutting.Load() {
+				r.st.fail("dial %s: %v", export, err)
 			}
-			r.st.fail("dial %s: %v", export, err)
 			return
 		}
 		connsMu.Lock()
@@ -475,19 +484,25 @@ func (r *rig) request(c *nbdConn, m *model, sectors int64, release func()) (*cal
 		}
 		return cl.errno == 0
 	}
+	// reading registers a read or block status with the model and checks
+	// its answer, if it succeeded, while the read is still registered.
+	reading := func(check func(r0, r1 uint64)) func(*call) {
+		r0 := m.startRead()
+		return func(cl *call) {
+			r1 := m.answered()
+			defer m.doneRead(r0)
+			if finish(cl) {
+				check(r0, r1)
+			}
+		}
+	}
 	pick := rand.N(100)
 	switch {
 	case pick < 30: // READ
 		st.reads.Add(1)
 		s, n := span(sectors, 256)
 		cl.typ, cl.off, cl.n = cmdRead, s*sector, n*sector
-		r0 := m.startRead()
-		cl.done = func(cl *call) {
-			r1 := m.answered()
-			defer m.doneRead(r0)
-			if !finish(cl) {
-				return
-			}
+		cl.done = reading(func(r0, r1 uint64) {
 			for i := range n {
 				val, ok := decode(cl.data[i*sector:(i+1)*sector], m.export, s+i)
 				why := "no stamp of this export"
@@ -500,7 +515,7 @@ func (r *rig) request(c *nbdConn, m *model, sectors int64, release func()) (*cal
 						m.name, s+i, r0, r1, n, s, val, why)
 				}
 			}
-		}
+		})
 	case pick < 60: // WRITE
 		st.writes.Add(1)
 		s, n := span(sectors, 128)
@@ -569,13 +584,7 @@ func (r *rig) request(c *nbdConn, m *model, sectors int64, release func()) (*cal
 		if rand.N(5) == 0 {
 			cl.flags = flagReqOne
 		}
-		r0 := m.startRead()
-		cl.done = func(cl *call) {
-			r1 := m.answered()
-			defer m.doneRead(r0)
-			if !finish(cl) {
-				return
-			}
+		cl.done = reading(func(r0, r1 uint64) {
 			at := cl.off
 			for _, x := range cl.exts {
 				end := at + int64(x[0])
@@ -589,7 +598,7 @@ func (r *rig) request(c *nbdConn, m *model, sectors int64, release func()) (*cal
 				}
 				at = end
 			}
-		}
+		})
 	default: // CACHE
 		st.caches.Add(1)
 		s, n := span(sectors, 1024)
@@ -636,11 +645,19 @@ func (r *rig) report(t *testing.T, d time.Duration) {
 	fmt.Fprintf(&b, "device syncs          %d\n", r.full.nSync.Load()+r.slow.nSync.Load())
 	fmt.Fprintf(&b, "client aborts         mid-header %d, mid-payload %d, replies in flight %d\n",
 		st.aborts[0].Load(), st.aborts[1].Load(), st.aborts[2].Load())
-	fmt.Fprintf(&b, "power cuts            %d (sectors checked after them: %d)\n", st.crashes.Load(), st.sweptSectors.Load())
+	cuts, lost := "power cuts         ", "lost flushed writes   "
+	if r.kill {
+		cuts, lost = "SIGKILLs of serve  ", "lost answered writes  "
+	}
+	fmt.Fprintf(&b, "%s   %d (sectors checked after them: %d)\n", cuts, st.crashes.Load(), st.sweptSectors.Load())
 	fmt.Fprintf(&b, "wrong reads           %d\n", st.wrongReads.Load())
-	fmt.Fprintf(&b, "lost flushed writes   %d\n", st.lostFlushed.Load())
+	fmt.Fprintf(&b, "%s%d\n", lost, st.lostFlushed.Load())
 	fmt.Fprintf(&b, "disallowed errnos     %d\n", st.badErrnos.Load())
-	fmt.Fprintf(&b, "peak RSS (test process: server, clients, model)  %s\n", peakRSS())
+	if r.kill {
+		fmt.Fprintf(&b, "peak RSS (test process: clients, model; not the server)  %s\n", peakRSS())
+	} else {
+		fmt.Fprintf(&b, "peak RSS (test process: server, clients, model)  %s\n", peakRSS())
+	}
 	t.Logf("soak:\n%s", b.String())
 	if *flagReport != "" {
 		if err := os.WriteFile(*flagReport, []byte(b.String()), 0o644); err != nil {
