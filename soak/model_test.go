@@ -262,14 +262,21 @@ func (m *model) settle(s int64, val uint64, durable bool, lost string) string {
 	verdict := "wrong"
 	for k := range es {
 		e := &es[k]
-		if e.val != val {
+		switch {
+		case e.val == val && !m.overwritten(es, e, pending, durable):
+			verdict = ""
+		case e.val == val:
+			verdict = lost
+		case e.sure && (!durable || m.durable(e)) && val < e.op:
+			// An older value whose entry was pruned (op ids grow, zeros
+			// are oldest; only a durable overwrite prunes).
+			verdict = lost
+		default:
 			continue
 		}
-		if !m.overwritten(es, e, pending, durable) {
-			verdict = ""
+		if verdict == "" {
 			break
 		}
-		verdict = lost
 	}
 	if verdict != "" {
 		verdict = fmt.Sprintf("%s: sector %d holds op %d; %s", verdict, s, val, describe(es, m))
