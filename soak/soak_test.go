@@ -112,6 +112,7 @@ type rig struct {
 	disks   []*disk
 	kill    bool        // the cut is a SIGKILL of the server, not a power cut
 	cutting atomic.Bool // the cut has come: a client failing to dial stops
+	logged  time.Time   // last progress line
 	cut     func()      // the power cut (or kill) with requests in flight
 	close   func()      // stops the server
 }
@@ -325,6 +326,11 @@ func (r *rig) run(n int64, crash bool) {
 		case <-reached:
 			waiting = false
 		case <-time.After(time.Second):
+			if time.Since(r.logged) > 30*time.Second {
+				r.logged = time.Now()
+				t.Logf("progress: %d operations, %d cuts, %d wrong reads, %d lost writes",
+					r.st.ops.Load(), r.st.crashes.Load(), r.st.wrongReads.Load(), r.st.lostFlushed.Load())
+			}
 			if d := done.Load(); d != last {
 				last, lastAt = d, time.Now()
 			} else if time.Since(lastAt) > bound {
