@@ -18,6 +18,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -74,15 +75,19 @@ func serveNbdkit(t *testing.T) string {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	for range 500 {
-		if _, err := os.Stat(sock); err == nil {
-			return sock
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	t.Cleanup(func() { cmd.Process.Kill(); <-exited })
+	nbdtest.Until(t, "nbdkit to create its socket", func() bool {
+		select {
+		case <-exited:
+			t.Fatalf("nbdkit exited before creating its socket: %v", cmd.ProcessState)
+		default:
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	t.Fatal("nbdkit did not create its socket")
-	return ""
+		_, err := os.Stat(sock)
+		return err == nil
+	})
+	return sock
 }
 
 func TestHandshake(t *testing.T) {

@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -15,6 +17,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/table"
@@ -261,7 +264,7 @@ func TestWriteAfterPendingTrimKept(t *testing.T) {
 	// Virtual segments 0, 2, 4, 6 are device a's [0, 4*segLen).
 	trimmed := make(chan error, 1)
 	go func() { trimmed <- rg.x.Trim(0, 8*segLen, false) }()
-	waitRangesIn(eng, 8)
+	waitRangesIn(t, eng, 8)
 
 	data := bytes.Repeat([]byte{0x5c}, 8192)
 	woff := int64(2*segLen + 4096) // virtual segment 2 = device a at segLen
@@ -272,7 +275,7 @@ func TestWriteAfterPendingTrimKept(t *testing.T) {
 	if err := rg.x.Trim(100*segLen, segLen, false); err != nil {
 		t.Fatal(err)
 	}
-	if err := <-trimmed; err != nil {
+	if err := nbdtest.Recv(t, trimmed, "the trim"); err != nil {
 		t.Fatal(err)
 	}
 
@@ -300,32 +303,68 @@ func statsOf(t *testing.T, eng *discard.Engine, name string) discard.DeviceStats
 	return discard.DeviceStats{}
 }
 
-func waitRangesIn(eng *discard.Engine, n uint64) {
-	for {
+// waitRangesIn waits until the engine has received n discard ranges.
+func waitRangesIn(t *testing.T, eng *discard.Engine, n uint64) {
+	t.Helper()
+	nbdtest.Until(t, fmt.Sprintf("the engine to receive %d discard ranges", n), func() bool {
 		var in uint64
 		for _, d := range eng.Stats().Devices {
 			in += d.RangesIn
 		}
-		if in >= n {
-			return
-		}
-		time.Sleep(50 * time.Microsecond)
-	}
+		return in >= n
+	})
 }
 
-// gateDev blocks its first Discard until released.
+// waitParked waits until a goroutine whose stack holds frame is parked
+// waiting for a channel or a condition (not a mutex, which is only held
+// briefly), or until give returns true, and reports which happened first.
+func waitParked(t *testing.T, frame string, give func() bool) (parked bool) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	nbdtest.Until(t, "a goroutine in "+frame+" to park", func() bool {
+		if give() {
+			return true
+		}
+		n := runtime.Stack(buf, true)
+		for _, g := range strings.Split(string(buf[:n]), "\n\n") {
+			state, _, _ := strings.Cut(g, "\n")
+			long := strings.Contains(state, "[chan receive") || strings.Contains(state, "[select") ||
+				strings.Contains(state, "[sync.Cond.Wait")
+			if long && strings.Contains(g, frame) {
+				parked = true
+				return true
+			}
+		}
+		return false
+	})
+	return parked
+}
+
+// gateDev blocks its first Discard until released, and counts the writes
+// that reach it while that discard is held.
 type gateDev struct {
 	backing.Device
 	entered, release chan struct{}
 	once             sync.Once
+	held             atomic.Bool
+	writesWhileHeld  atomic.Int32
 }
 
 func (g *gateDev) Discard(off, n int64) error {
 	g.once.Do(func() {
+		g.held.Store(true)
 		close(g.entered)
 		<-g.release
+		g.held.Store(false)
 	})
 	return g.Device.Discard(off, n)
+}
+
+func (g *gateDev) WriteAt(p []byte, off int64) (int, error) {
+	if g.held.Load() {
+		g.writesWhileHeld.Add(1)
+	}
+	return g.Device.WriteAt(p, off)
 }
 
 // TestWriteWaitsForIssuedDiscard: a discard call is already running on the
@@ -342,20 +381,29 @@ func TestWriteWaitsForIssuedDiscard(t *testing.T) {
 	})
 	trimmed := make(chan error, 1)
 	go func() { trimmed <- rg.x.Trim(0, segLen, false) }()
-	<-gate.entered
+	nbdtest.Recv(t, gate.entered, "the discard to reach the device")
 
 	data := bytes.Repeat([]byte{0x33}, 4096)
 	written := make(chan error, 1)
 	go func() { written <- rg.x.Write(data, 4096, false) }()
-	// Give a wrong implementation the chance to write now; then let the
-	// discard finish.
-	time.Sleep(20 * time.Millisecond)
+	// The write must park behind the discard without reaching the device.
+	if !waitParked(t, "mapped.(*Device).Write", func() bool { return gate.writesWhileHeld.Load() > 0 }) {
+		t.Fatal("the write reached the device while a discard of its range was running")
+	}
+	select {
+	case err := <-written:
+		t.Fatalf("the write returned (%v) while a discard of its range was running", err)
+	default:
+	}
 	close(gate.release)
-	if err := <-trimmed; err != nil {
+	if err := nbdtest.Recv(t, trimmed, "the trim"); err != nil {
 		t.Fatal(err)
 	}
-	if err := <-written; err != nil {
+	if err := nbdtest.Recv(t, written, "the write"); err != nil {
 		t.Fatal(err)
+	}
+	if n := gate.writesWhileHeld.Load(); n != 0 {
+		t.Fatalf("%d writes reached the device while the discard was running", n)
 	}
 	got := make([]byte, len(data))
 	if _, err := rg.x.Read(got, 4096); err != nil {
@@ -384,7 +432,7 @@ func TestWriteRacingTrimKeepsData(t *testing.T) {
 		trimmed := make(chan error, 1)
 		go func() { trimmed <- rg.x.Trim(off, segLen, false) }()
 		held++
-		waitRangesIn(eng, held)
+		waitRangesIn(t, eng, held)
 		if i%3 == 0 { // sometimes let the window run out first
 			time.Sleep(time.Duration(i%7) * 30 * time.Microsecond)
 		}
@@ -392,7 +440,7 @@ func TestWriteRacingTrimKeepsData(t *testing.T) {
 		if err := rg.x.Write(data, woff, false); err != nil {
 			t.Fatal(err)
 		}
-		if err := <-trimmed; err != nil {
+		if err := nbdtest.Recv(t, trimmed, "the trim"); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := rg.x.Read(got, woff); err != nil {
@@ -546,14 +594,14 @@ func TestWriteZeroesCutsPendingTrim(t *testing.T) {
 	rg := memRig(t, eng, nil)
 	trimmed := make(chan error, 1)
 	go func() { trimmed <- rg.x.Trim(0, 2*segLen, false) }() // a: 0+segLen, b: 0+segLen
-	waitRangesIn(eng, 2)
+	waitRangesIn(t, eng, 2)
 	if err := rg.x.WriteZeroes(4096, 8192, false, false, false); err != nil {
 		t.Fatal(err)
 	}
 	if err := rg.x.Trim(10*segLen, segLen, false); err != nil { // third range: issue
 		t.Fatal(err)
 	}
-	if err := <-trimmed; err != nil {
+	if err := nbdtest.Recv(t, trimmed, "the trim"); err != nil {
 		t.Fatal(err)
 	}
 	want := []backing.Range{{Off: 0, Len: 4096}, {Off: 12288, Len: segLen - 12288}, {Off: 5 * segLen, Len: segLen}}

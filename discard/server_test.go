@@ -111,7 +111,7 @@ print("ok", flush=True)
 		cmd.Wait()
 		t.Fatalf("nbdsh did not send the trim: %s", stderr.String())
 	}
-	waitRangesIn(eng, 8) // the trim is held by the engine
+	waitRangesIn(t, eng, 8) // the trim is held by the engine
 	io.WriteString(stdin, "go\n")
 	var rest []string
 	for lines.Scan() {

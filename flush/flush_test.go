@@ -15,6 +15,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/fault"
 	"github.com/nbdmapper/nbdmapper/internal/golden"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"golang.org/x/sys/unix"
 )
 
@@ -121,7 +122,7 @@ func TestPlanGolden(t *testing.T) {
 				}()
 			}
 			flushAsync(0) // F1 starts S1
-			<-entered
+			nbdtest.Recv(t, entered, "a sync to reach the device")
 			log("F2 arrives during S1, nothing new written", e.Plan(devs))
 			flushAsync(1)
 			waitRequested(t, e, "a.img", 2)
@@ -133,7 +134,7 @@ func TestPlanGolden(t *testing.T) {
 			flushAsync(3)
 			waitRequested(t, e, "a.img", 4)
 			release()
-			wg.Wait()
+			nbdtest.Wait(t, &wg, "the flushes")
 			for i, p := range plans[:4] {
 				log(fmt.Sprintf("F%d did", i+1), p)
 			}
@@ -198,7 +199,7 @@ func TestConcurrentFlushesCleanDevice(t *testing.T) {
 			}
 		}()
 	}
-	wg.Wait()
+	nbdtest.Wait(t, &wg, "the flushes")
 	if a.faulty.Syncs()+b.faulty.Syncs() != 0 {
 		t.Fatalf("clean devices saw %d+%d syncs, want 0", a.faulty.Syncs(), b.faulty.Syncs())
 	}
@@ -228,7 +229,7 @@ func TestConcurrentFlushesDuringSync(t *testing.T) {
 			a.write(t, 0, 1)
 			first := make(chan error)
 			go func() { first <- e.Flush([]backing.Device{a.dev}) }()
-			<-entered
+			nbdtest.Recv(t, entered, "a sync to reach the device")
 			if tc.writeDuring {
 				a.write(t, 1, 2)
 			}
@@ -248,10 +249,10 @@ func TestConcurrentFlushesDuringSync(t *testing.T) {
 			}
 			waitRequested(t, e, "a.img", 33)
 			release()
-			if err := <-first; err != nil {
+			if err := nbdtest.Recv(t, first, "the first flush"); err != nil {
 				t.Fatal(err)
 			}
-			wg.Wait()
+			nbdtest.Wait(t, &wg, "the flushes")
 			if got := a.faulty.Syncs(); got != tc.wantSyncs {
 				t.Errorf("device saw %d syncs, want %d", got, tc.wantSyncs)
 			}
@@ -271,10 +272,10 @@ func TestWriteDuringSyncStaysDirty(t *testing.T) {
 	a.write(t, 0, 1)
 	done := make(chan error)
 	go func() { done <- e.Flush([]backing.Device{a.dev}) }()
-	<-entered
+	nbdtest.Recv(t, entered, "a sync to reach the device")
 	a.write(t, 1, 2)
 	release()
-	if err := <-done; err != nil {
+	if err := nbdtest.Recv(t, done, "the flush"); err != nil {
 		t.Fatal(err)
 	}
 	if !devStats(e, "a.img").Dirty {
@@ -347,7 +348,7 @@ func TestRandomDurability(t *testing.T) {
 			}
 		}()
 	}
-	wg.Wait()
+	nbdtest.Wait(t, &wg, "the flushes")
 	s := e.Stats()
 	var total uint64
 	for _, d := range s.Devices {

@@ -24,14 +24,20 @@ type DSyncWriter interface {
 // any flush, fails the device if its sync fails.
 //
 // A failed durable write fails the device too (see failsDevice): every later
-// flush of it returns ErrSyncFailed.
+// flush of it returns ErrSyncFailed, and so does every FUA write, which
+// cannot tell its own data from pages a failed sync dropped.
 func (e *Engine) WriteFUA(d backing.Device, p []byte, off int64) error {
 	if t := e.lookup(d); t != nil && !t.noDSync.Load() {
 		if w, ok := t.Device.(DSyncWriter); ok {
 			err := t.writeDSync(w, p, off)
 			switch {
 			case err == nil:
-				return nil
+				// A sync of the device that failed meanwhile may have
+				// taken this write's pages with it and consumed the
+				// error this write's own sync would have seen (the
+				// kernel reports a write-back error once per open
+				// file): the write cannot vouch for its data.
+				return t.failure()
 			case errors.Is(err, backing.ErrNotSupported):
 				t.noDSync.Store(true) // nothing was written; write and flush
 			default:

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // A raw NBD client, just enough for durability tests: fixed newstyle with
@@ -285,5 +287,5 @@ func (m *model) run(t *testing.T, socket string, workers int, afterFlush func(op
 			}
 		}()
 	}
-	wg.Wait()
+	nbdtest.Wait(t, &wg, "the writers to see the crash")
 }

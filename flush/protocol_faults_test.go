@@ -78,10 +78,15 @@ func TestProtocolFailedFUAWrite(t *testing.T) {
 				t.Fatalf("FUA write on the failing device: errno %d, %v; want %d", errno, err, tc.errno)
 			}
 			devs[0].Inject(backing.OpDSync, nil) // the disk is back; the data may not be
+			// Later flushes fail because of that earlier failure: EIO,
+			// whatever its errno was (and so do later FUA writes).
 			for i := range 2 {
-				if errno, err := nc.do(cmdFlush, 0, 0, nil); err != nil || errno != tc.errno {
-					t.Fatalf("flush %d after the failed FUA write: errno %d, %v; want %d", i, errno, err, tc.errno)
+				if errno, err := nc.do(cmdFlush, 0, 0, nil); err != nil || errno != 5 {
+					t.Fatalf("flush %d after the failed FUA write: errno %d, %v; want EIO", i, errno, err)
 				}
+			}
+			if errno, err := nc.do(cmdWrite, flagFUA, 8192, block); err != nil || errno != 5 {
+				t.Fatalf("FUA write after the failed one: errno %d, %v; want EIO", errno, err)
 			}
 			panics.Check(t, tc.flt.Panics())
 

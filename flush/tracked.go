@@ -153,6 +153,16 @@ func (t *tracked) request(need uint64) (Entry, func() error) {
 	panic(fmt.Sprintf("flush: unexpected action %v", e.Action))
 }
 
+// failure is the sticky error if the device has failed, else nil.
+func (t *tracked) failure() error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.failed == nil {
+		return nil
+	}
+	return t.stickyErr()
+}
+
 func (t *tracked) stickyErr() error {
 	return fmt.Errorf("%w: %w", ErrSyncFailed, t.failed)
 }

@@ -76,7 +76,11 @@ scrape_configs:
 	})
 
 	// Wait until it serves queries, or fail if it dies.
+	deadline := time.Now().Add(nbdtest.Bound)
 	for {
+		if time.Now().After(deadline) {
+			t.Fatalf("prometheus not ready after %v\n%s", nbdtest.Bound, p.stderr)
+		}
 		resp, err := http.Get(p.api + "/-/ready")
 		if err == nil {
 			resp.Body.Close()
@@ -155,7 +159,11 @@ func (p *promServer) scalar(t *testing.T, q string) float64 {
 // the target is down it fails instead.
 func (p *promServer) waitScrapedAfter(t *testing.T, since time.Time) {
 	t.Helper()
+	deadline := time.Now().Add(nbdtest.Bound)
 	for {
+		if time.Now().After(deadline) {
+			t.Fatalf("no scrape of nbdmapper after %v", nbdtest.Bound)
+		}
 		res := p.query(t, `timestamp(nbdmapper_build_info)`)
 		if len(res) == 1 && res[0].value(t) > float64(since.UnixMilli())/1000 {
 			return

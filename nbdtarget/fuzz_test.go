@@ -5,19 +5,29 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"sync"
 	"testing"
 	"time"
-
-	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/table"
 )
 
-// fakeConn feeds a fixed client byte stream to the server and drops
+// fakeConn feeds a fixed client byte stream to the server and records
 // everything the server sends.
-type fakeConn struct{ r io.Reader }
+type fakeConn struct {
+	r io.Reader
 
-func (f *fakeConn) Read(p []byte) (int, error)         { return f.r.Read(p) }
-func (f *fakeConn) Write(p []byte) (int, error)        { return len(p), nil }
+	mu  sync.Mutex
+	out bytes.Buffer
+}
+
+func (f *fakeConn) Read(p []byte) (int, error) { return f.r.Read(p) }
+func (f *fakeConn) Write(p []byte) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.out.Write(p)
+}
 func (f *fakeConn) Close() error                       { return nil }
 func (f *fakeConn) LocalAddr() net.Addr                { return &net.UnixAddr{Name: "fuzz", Net: "unix"} }
 func (f *fakeConn) RemoteAddr() net.Addr               { return &net.UnixAddr{Name: "fuzz", Net: "unix"} }
@@ -25,19 +35,10 @@ func (f *fakeConn) SetDeadline(t time.Time) error      { return nil }
 func (f *fakeConn) SetReadDeadline(t time.Time) error  { return nil }
 func (f *fakeConn) SetWriteDeadline(t time.Time) error { return nil }
 
-func fuzzServer(t testing.TB) *Server {
-	x := newExport(t, "x",
-		seg{len: 64 * kb, dev: backing.NewMem("a", 64*kb)},
-		seg{len: 64 * kb, kind: table.KindZero},
-		seg{len: 64 * kb, kind: table.KindError},
-		seg{len: 64 * kb, dev: &failDev{Device: backing.NewMem("f", 64*kb), from: 0, to: 4 * kb}},
-		seg{len: 64 * kb, dev: noZeroDev{backing.NewMem("z", 64*kb)}},
-	)
-	ro := newExport(t, "ro", seg{len: 4 * kb, dev: backing.NewMem("r", 4*kb)})
-	ro.ReadOnly = true
-	srv := &Server{Exports: []*Export{x, ro}}
-	srv.init()
-	return srv
+func (f *fakeConn) output() []byte {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.out.Bytes())
 }
 
 // clientStream builds a well-formed session: flags, options, GO, requests.
@@ -58,56 +59,169 @@ func clientStream(structured bool, reqs ...request) []byte {
 	}
 	opt(99, []byte("unknown"))
 	opt(optGo, infoData(""))
-	for _, r := range reqs {
+	return append(b, requestStream(reqs...)...)
+}
+
+// requestStream encodes requests, each WRITE followed by its payload.
+func requestStream(reqs ...request) []byte {
+	var b []byte
+	for i, r := range reqs {
 		b = encodeRequest(b, r)
 		if r.Type == cmdWrite {
-			b = append(b, bytes.Repeat([]byte{0xa5}, int(r.Length))...)
+			b = append(b, bytes.Repeat([]byte{0xa5 ^ byte(i)}, int(r.Length))...)
 		}
 	}
 	return b
 }
 
+// seedRequests touch every segment kind, every command and flag, and the
+// edges: zero lengths, the last byte, one past the end, 2^64-1, a payload
+// past the end, lengths past MaxPayload with and without their payload.
 var seedRequests = []request{
 	{Type: cmdWrite, Handle: 1, Offset: 512, Length: 1024},
 	{Type: cmdRead, Handle: 2, Offset: 0, Length: 4096},
-	{Type: cmdRead, Flags: cfDF, Handle: 3, Offset: 128 * kb, Length: 512},
-	{Type: cmdBlockStatus, Flags: cfReqOne, Handle: 4, Offset: 0, Length: 320 * kb},
-	{Type: cmdWriteZeroes, Flags: cfFastZero | cfNoHole, Handle: 5, Offset: 256 * kb, Length: 4096},
+	{Type: cmdRead, Flags: cfDF, Handle: 3, Offset: 16 * kb, Length: 8 * kb},
+	{Type: cmdBlockStatus, Flags: cfReqOne, Handle: 4, Offset: 0, Length: fuzzSize},
+	{Type: cmdWriteZeroes, Flags: cfFastZero | cfNoHole, Handle: 5, Offset: 32 * kb, Length: 4096},
 	{Type: cmdTrim, Flags: cfFUA, Handle: 6, Offset: 0, Length: 8192},
 	{Type: cmdCache, Handle: 7, Offset: 0, Length: 4096},
 	{Type: cmdFlush, Handle: 8},
-	{Type: cmdRead, Handle: 9, Offset: 1 << 40, Length: 1 << 31},
-	{Type: cmdDisc, Handle: 10},
+	{Type: cmdWrite, Flags: cfFUA, Handle: 9, Offset: 40*kb - 100, Length: 200},
+	{Type: cmdWrite, Flags: cfFUA, Handle: 10, Offset: 72*kb + 10, Length: 100},
+	{Type: cmdRead, Handle: 11, Offset: 24*kb - 10, Length: 20},
+	{Type: cmdWrite, Handle: 12, Offset: 80*kb + 4000, Length: 200},
+	{Type: cmdRead, Handle: 13, Offset: 0, Length: fuzzSize},
+	{Type: cmdBlockStatus, Handle: 14, Offset: 0, Length: fuzzSize},
+	{Type: cmdWriteZeroes, Handle: 15, Offset: 0, Length: fuzzSize},
+	{Type: cmdTrim, Handle: 16, Offset: 0, Length: fuzzSize},
+	{Type: cmdRead, Handle: 17, Offset: fuzzSize - 1, Length: 1},
+	{Type: cmdRead, Handle: 18, Offset: fuzzSize, Length: 0},
+	{Type: cmdRead, Handle: 19, Offset: fuzzSize, Length: 1},
+	{Type: cmdRead, Handle: 20, Offset: 1<<64 - 1, Length: 1 << 31},
+	{Type: cmdWrite, Handle: 21, Offset: fuzzSize - 512, Length: 513},
+	{Type: cmdCache, Handle: 22, Offset: 0, Length: 1<<32 - 1},
+	{Type: cmdBlockStatus, Handle: 23, Offset: 0, Length: 0},
+	{Type: cmdRead, Handle: 24, Offset: 0, Length: MaxPayload + 1},
+	{Type: cmdFlush, Handle: 25, Offset: 1, Length: 1},
+	{Type: 42, Handle: 26},
+	{Type: cmdRead, Flags: 1 << 7, Handle: 27},
+	{Type: cmdRead, Handle: 28, Offset: 16 * kb, Length: 4 * kb},
+	{Type: cmdRead, Flags: cfDF, Handle: 29, Offset: 40 * kb, Length: 56 * kb},
+	{Type: cmdDisc, Handle: 30},
 }
 
-// FuzzHandshake runs a whole session from arbitrary client bytes: it must
-// end (the stream is finite) without panicking.
+// fuzzBound bounds one input's session. The fuzzing engine counts an
+// input that runs much longer as a hang without saying where; this reports
+// every goroutine instead.
+const fuzzBound = 5 * time.Second
+
+// fuzzMode is how one fuzz input is served.
+type fuzzMode struct {
+	serial    bool   // one request in flight: replies in order, exact model
+	batch     bool   // the discard engine gathers trims in a window
+	handshake bool   // the input starts with the handshake
+	file      string // the file behind the file segment
+	// Without a handshake: the session to start transmission in.
+	readOnly, structured, meta bool
+}
+
+// fuzzSession runs one connection over a fresh rig and checks every byte
+// the server sent, then the export's contents.
+func fuzzSession(t testing.TB, in []byte, mode fuzzMode) {
+	rig := newFuzzRig(t, mode.file, mode.serial, mode.batch)
+	defer rig.close()
+	in = slices.Clone(in)
+	var reqs []wireReq
+	s := session{x: rig.x, structured: mode.structured}
+	if mode.readOnly {
+		s.x = rig.ro
+	}
+	if mode.meta && mode.structured {
+		s.meta, s.metaID = metaYes, metaBaseID
+	}
+	if mode.handshake {
+		hs := &hsWalker{t: t, exports: rig.srv.Exports, in: in}
+		if x := hs.walk(); x != nil {
+			reqs = splitRequests(in[hs.ip:])
+		}
+	} else {
+		reqs = splitRequests(in)
+	}
+
+	fc := &fakeConn{r: bytes.NewReader(in)}
+	c := rig.srv.newConn(fc)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		if mode.handshake {
+			c.serve()
+			return
+		}
+		c.structured, c.meta = s.structured, s.meta == metaYes
+		c.x, c.st = s.x, &s.x.st
+		c.ro = c.x.ReadOnly
+		c.transmit()
+		rig.srv.dropConn(c)
+	}()
+	select {
+	case <-served:
+	case <-time.After(fuzzBound):
+		buf := make([]byte, 1<<20)
+		t.Fatalf("the session did not end in %v:\n%s", fuzzBound, buf[:runtime.Stack(buf, true)])
+	}
+	rig.checkPanics(t)
+	out := fc.output()
+	if mode.handshake {
+		hs := &hsWalker{t: t, exports: rig.srv.Exports, in: in, out: out, check: true}
+		x := hs.walk()
+		if x == nil {
+			return
+		}
+		s = session{x: x, structured: hs.structured, meta: hs.meta, metaID: hs.metaID}
+		out = out[hs.op:]
+	}
+	m := newModel(s.x)
+	ok := checkTransmission(t, &s, m, mode.serial, reqs, out)
+	checkContents(t, s.x, m, ok)
+}
+
+// FuzzHandshake runs whole sessions from arbitrary client bytes and checks
+// every option reply against proto.md and, once a GO or EXPORT_NAME
+// succeeds, every transmission reply against the model. The length of the
+// input picks one request in flight (exact model) or many.
 func FuzzHandshake(f *testing.F) {
 	f.Add(clientStream(false))
 	f.Add(clientStream(true, seedRequests...))
+	f.Add(clientStream(false, seedRequests...))
+	f.Add(append(clientStream(true), 0))
 	f.Add([]byte{0, 0, 0, 1, 'I', 'H', 'A', 'V', 'E', 'O', 'P', 'T', 0, 0, 0, 1, 0, 0, 0, 0})
-	srv := fuzzServer(f)
+	f.Add([]byte{0, 0, 0, 3, 'I', 'H', 'A', 'V', 'E', 'O', 'P', 'T', 0, 0, 0, 1, 0, 0, 0, 2, 'r', 'o'})
+	f.Add([]byte{0, 0, 0, 1, 'I', 'H', 'A', 'V', 'E', 'O', 'P', 'T', 0, 0, 0, 2, 0, 0, 0, 0})
+	f.Add([]byte{0, 0, 0, 3, 'I', 'H', 'A', 'V', 'E', 'O', 'P', 'T', 0, 0, 0, 7, 0, 1, 0, 0})
+	file := filepath.Join(f.TempDir(), "file.img")
 	f.Fuzz(func(t *testing.T, data []byte) {
-		c := srv.newConn(&fakeConn{r: bytes.NewReader(data)})
-		c.serve()
+		fuzzSession(t, data, fuzzMode{serial: len(data)%2 == 0, batch: len(data)%3 == 0, handshake: true, file: file})
 	})
 }
 
-// FuzzRequest feeds arbitrary bytes to the transmission phase (the first
-// byte picks simple or structured replies and the export) and checks that
-// the decoder round-trips every header it accepts.
+// FuzzRequest feeds arbitrary bytes to the transmission phase and checks
+// every reply against the model. The first byte picks the mode: bit 0
+// structured replies, bit 1 base:allocation, bit 2 the read-only export,
+// bit 3 many requests in flight (else one, and an exact model), bit 4
+// batched trims.
 func FuzzRequest(f *testing.F) {
-	var reqs []byte
-	for _, r := range seedRequests {
-		reqs = encodeRequest(reqs, r)
-		if r.Type == cmdWrite {
-			reqs = append(reqs, make([]byte, r.Length)...)
-		}
+	reqs := requestStream(seedRequests...)
+	for _, mode := range []byte{0, 3, 7, 8, 11, 27} {
+		f.Add(append([]byte{mode}, reqs...))
 	}
-	f.Add(append([]byte{0}, reqs...))
-	f.Add(append([]byte{3}, reqs...))
 	f.Add(append([]byte{1}, encodeRequest(nil, request{Type: cmdWrite, Length: MaxPayload + 1})...))
-	srv := fuzzServer(f)
+	f.Add(append([]byte{3}, requestStream(
+		request{Type: cmdWrite, Handle: 1, Offset: 16*kb - 300, Length: 600},
+		request{Type: cmdRead, Handle: 1, Offset: 0, Length: 20 * kb},
+		request{Type: cmdWrite, Handle: 2, Offset: 56*kb - 700, Length: 1400},
+		request{Type: cmdBlockStatus, Handle: 2, Offset: 0, Length: fuzzSize},
+	)...))
+	file := filepath.Join(f.TempDir(), "file.img")
 	f.Fuzz(func(t *testing.T, data []byte) {
 		if len(data) == 0 {
 			return
@@ -120,13 +234,13 @@ func FuzzRequest(f *testing.F) {
 				}
 			}
 		}
-		c := srv.newConn(&fakeConn{r: bytes.NewReader(stream)})
-		defer srv.dropConn(c)
-		c.structured = mode&1 != 0
-		c.meta = mode&2 != 0 && c.structured
-		c.x = srv.Exports[int(mode>>2)%len(srv.Exports)]
-		c.ro = c.x.ReadOnly
-		c.st = &c.x.st
-		c.transmit()
+		fuzzSession(t, stream, fuzzMode{
+			structured: mode&1 != 0,
+			meta:       mode&2 != 0,
+			readOnly:   mode&4 != 0,
+			serial:     mode&8 == 0,
+			batch:      mode&16 != 0,
+			file:       file,
+		})
 	})
 }

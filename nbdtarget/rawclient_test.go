@@ -2,10 +2,15 @@ package nbdtarget
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"testing"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // rawClient speaks the wire protocol byte by byte, so tests can send what
@@ -37,16 +42,25 @@ func (c *rawClient) write(b []byte) {
 func (c *rawClient) read(n int) []byte {
 	c.t.Helper()
 	b := make([]byte, n)
+	c.nc.SetReadDeadline(time.Now().Add(nbdtest.Bound))
+	defer c.nc.SetReadDeadline(time.Time{})
 	if _, err := io.ReadFull(c.nc, b); err != nil {
 		c.t.Fatalf("read %d bytes: %v", n, err)
 	}
 	return b
 }
 
-// closed reports whether the server closed the connection (EOF on read).
+// closed reports whether the server closed the connection (EOF on read)
+// rather than sending a byte. It waits at most nbdtest.Bound.
 func (c *rawClient) closed() bool {
+	c.t.Helper()
+	c.nc.SetReadDeadline(time.Now().Add(nbdtest.Bound))
+	defer c.nc.SetReadDeadline(time.Time{})
 	var b [1]byte
 	_, err := c.nc.Read(b[:])
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		c.t.Fatalf("connection neither closed nor sent anything in %v", nbdtest.Bound)
+	}
 	return err != nil
 }
 

@@ -19,6 +19,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/table"
 )
 
 const repPOLICY, repTLSREQD = 1<<31 + 2, 1<<31 + 5
@@ -624,4 +625,21 @@ func FuzzHandshakeTLS(f *testing.F) {
 		c := srv.newConn(&fakeConn{r: bytes.NewReader(data)})
 		c.serve()
 	})
+}
+
+// fuzzServer serves "x" (data, zero, error, failing and no-zeroing lines)
+// and a small read-only "ro", for FuzzHandshakeTLS.
+func fuzzServer(t testing.TB) *Server {
+	x := newExport(t, "x",
+		seg{len: 64 * kb, dev: backing.NewMem("a", 64*kb)},
+		seg{len: 64 * kb, kind: table.KindZero},
+		seg{len: 64 * kb, kind: table.KindError},
+		seg{len: 64 * kb, dev: &failDev{Device: backing.NewMem("f", 64*kb), from: 0, to: 4 * kb}},
+		seg{len: 64 * kb, dev: noZeroDev{backing.NewMem("z", 64*kb)}},
+	)
+	ro := newExport(t, "ro", seg{len: 4 * kb, dev: backing.NewMem("r", 4*kb)})
+	ro.ReadOnly = true
+	srv := &Server{Exports: []*Export{x, ro}}
+	srv.init()
+	return srv
 }

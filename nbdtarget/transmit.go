@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/mapped"
 )
 
@@ -526,12 +527,17 @@ func (c *conn) check(r *request) (uint32, string) {
 // the client for request r; it is the only such mapping. Only WRITE_ZEROES
 // with FAST_ZERO may fail with ENOTSUP. A range past the end of a device
 // that shrank since the request was validated gets the spec's errno for
-// that: ENOSPC for writes, EINVAL for the rest. Error targets
+// that: ENOSPC for writes, EINVAL for the rest. A device failed by an
+// earlier sync is EIO, whatever that sync's errno. Error targets
 // (table.ErrTarget), short reads and I/O errors are EIO.
 func errnoOf(err error, r *request) uint32 {
 	switch {
 	case err == nil:
 		return 0
+	case errors.Is(err, flush.ErrSyncFailed):
+		// An earlier sync of a device below failed: whatever its errno
+		// was then, this request fails because of it, which is EIO.
+		return EIO
 	case errors.Is(err, mapped.ErrBeyondEnd):
 		if r.Type == cmdWrite || r.Type == cmdWriteZeroes {
 			return ENOSPC

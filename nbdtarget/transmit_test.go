@@ -6,6 +6,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -331,7 +333,7 @@ func TestOutOfOrder(t *testing.T) {
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
 	c.request(cmdRead, 0, 1, offGate, 4096, nil)
-	<-f.gate.entered
+	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
 	for h := uint64(2); h < 6; h++ {
 		c.request(cmdRead, 0, h, offA, 4096, nil)
 	}
@@ -378,9 +380,15 @@ func TestDiscFinishesOutstanding(t *testing.T) {
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
 	c.request(cmdRead, 0, 1, offGate, 512, nil)
-	<-f.gate.entered
+	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
 	c.request(cmdDisc, 0, 2, 0, 0, nil)
-	time.AfterFunc(10*time.Millisecond, func() { close(f.gate.release) })
+	// Release the read only once the server has taken DISC and stopped
+	// reading, so a server that closed at DISC would have done so by now.
+	nbdtest.Until(t, "the server to stop reading after DISC", func() bool {
+		buf := make([]byte, 1<<20)
+		return !strings.Contains(string(buf[:runtime.Stack(buf, true)]), "nbdtarget.(*conn).read(")
+	})
+	close(f.gate.release)
 	if h, e, _ := c.simple(512); h != 1 || e != 0 {
 		t.Fatalf("outstanding read: handle %d errno %d", h, e)
 	}
@@ -418,18 +426,30 @@ func TestShutdownFinishesInFlight(t *testing.T) {
 	idle := dialRaw(t, f.sock)
 	idle.greet(3) // stuck in the handshake
 	c.request(cmdRead, 0, 1, offGate, 512, nil)
-	<-f.gate.entered
-	done := make(chan error)
+	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
+	done := make(chan error, 1)
 	go func() { done <- f.srv.Shutdown(context.Background()) }()
-	time.AfterFunc(10*time.Millisecond, func() { close(f.gate.release) })
+	// The connection stuck in its handshake is closed by Shutdown; once it
+	// is, Shutdown has stopped every connection, and must still be waiting
+	// for the read held in the device.
+	if !idle.closed() {
+		t.Fatal("connection in its handshake still open during Shutdown")
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("Shutdown returned %v with a request in flight", err)
+	default:
+	}
+	close(f.gate.release)
+	c.nc.SetReadDeadline(time.Now().Add(nbdtest.Bound))
 	if h, e, _ := c.simple(512); h != 1 || e != 0 {
 		t.Fatalf("in-flight read: handle %d errno %d", h, e)
 	}
-	if err := <-done; err != nil {
+	if err := nbdtest.Recv(t, done, "Shutdown to return"); err != nil {
 		t.Fatalf("Shutdown: %v", err)
 	}
-	if !c.closed() || !idle.closed() {
-		t.Fatal("connections open after Shutdown")
+	if !c.closed() {
+		t.Fatal("connection open after Shutdown")
 	}
 }
 
@@ -489,25 +509,32 @@ func TestStatsAndObserve(t *testing.T) {
 }
 
 // TestShutdownContext: a request that never finishes cannot hold Shutdown
-// past its context; the connection is closed and the error returned.
+// past its context. With the context already ended and a read held inside
+// its device, Shutdown closes the connection at once (the client sees EOF
+// and no reply while the read is still held), waits for the device call to
+// return (it cannot be interrupted) and returns the context's error.
 func TestShutdownContext(t *testing.T) {
 	f := newTFix(t, nil)
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
 	c.request(cmdRead, 0, 1, offGate, 512, nil)
-	<-f.gate.entered
+	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error)
-	go func() { done <- f.srv.Shutdown(ctx) }()
 	cancel()
-	// The worker is still inside ReadAt; Shutdown waits for it to return
-	// (it cannot be interrupted) but must not wait for the client.
-	close(f.gate.release)
-	if err := <-done; !errors.Is(err, context.Canceled) && err != nil {
-		t.Fatalf("Shutdown: %v", err)
+	done := make(chan error, 1)
+	go func() { done <- f.srv.Shutdown(ctx) }()
+
+	c.nc.SetReadDeadline(time.Now().Add(nbdtest.Bound))
+	if n, err := io.Copy(io.Discard, c.nc); err != nil || n != 0 {
+		t.Fatalf("connection during Shutdown with an ended context: %d bytes, %v; want EOF and no reply", n, err)
 	}
-	// The read's reply may or may not have been sent; then EOF.
-	if _, err := io.Copy(io.Discard, c.nc); err != nil {
-		t.Fatalf("connection after Shutdown: %v", err)
+	select {
+	case err := <-done:
+		t.Fatalf("Shutdown returned %v while a request was still inside its device", err)
+	default:
+	}
+	close(f.gate.release)
+	if err := nbdtest.Recv(t, done, "Shutdown to return"); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Shutdown = %v, want %v", err, context.Canceled)
 	}
 }

@@ -74,7 +74,11 @@ func Start(t testing.TB, bin, dir string, args ...string) *Server {
 // NBD socket; this is for other listeners, such as --metrics.
 func (s *Server) WaitListening(t testing.TB, network, addr string) {
 	t.Helper()
+	deadline := time.Now().Add(Bound)
 	for {
+		if time.Now().After(deadline) {
+			t.Fatalf("nbdmapper serve not listening on %s after %v\n%s", addr, Bound, s.Stderr())
+		}
 		if c, err := net.Dial(network, addr); err == nil {
 			c.Close()
 			return

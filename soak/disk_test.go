@@ -1,0 +1,374 @@
+package soak
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+)
+
+// disk is a real file behind a volatile write cache that fails the way
+// disks and Linux's page cache do, for the soak:
+//
+//   - Writes, discards and zeroings land in the cache, sector by sector,
+//     and are read back from it; Sync writes the cached sectors to the file
+//     and fdatasyncs it.
+//   - Crash (a power cut) drops the cache: only synced data survives.
+//   - A failed sync loses the sectors it was writing back, as Linux may mark
+//     pages clean after a failed writeback: they still read back from the
+//     cache but are never written to the file, so a later successful sync
+//     does not save them. A server that acknowledges a flush after any
+//     failed sync of the device has acknowledged a write it lost.
+//   - With faults on, calls fail at random with EIO (reads, writes, discards,
+//     zeroing), ENOSPC (writes), a failed sync, a delay, or a panic, before
+//     or after the work is done.
+//   - Once dead (the power is off), every call fails with EIO.
+//
+// Every soak I/O is sector-aligned, so the cache works in sectors; a
+// partial sector is merged with what the sector holds.
+type disk struct {
+	f      *backing.File
+	faults *faults
+
+	dead atomic.Bool
+
+	// syncMu makes syncs one at a time, so a slow write-back never lands
+	// after a later one and undoes it.
+	syncMu sync.Mutex
+
+	mu    sync.Mutex
+	cache map[int64]*slot // sector -> cached contents
+	gen   uint64
+}
+
+type slot struct {
+	data []byte // nil: zeros
+	lost bool   // a failed sync dropped it: never written back
+	gen  uint64 // when it was last written
+}
+
+const sector = 512
+
+var (
+	_ backing.Device = (*disk)(nil)
+
+	errInjected = fmt.Errorf("injected fault: %w", syscall.EIO)
+	errDead     = fmt.Errorf("device powered off: %w", syscall.EIO)
+	errNoSpace  = fmt.Errorf("injected fault: %w", syscall.ENOSPC)
+)
+
+// injectedPanic is the value of every panic a disk injects; any other
+// panic the server recovers from is a bug.
+type injectedPanic struct{ dev, op string }
+
+func (p injectedPanic) String() string { return "injected panic in " + p.op + " on " + p.dev }
+
+// faults is what a disk injects, each a probability per call. One faults
+// value may be shared by several disks; the counters count injections.
+type faults struct {
+	on                                  atomic.Bool
+	eio, enospc, syncFail, slow, panics float64
+	maxDelay                            time.Duration
+
+	nEIO, nENOSPC, nSyncFail, nSlow, nPanic atomic.Int64
+	nSync                                   atomic.Int64 // syncs asked for
+}
+
+func (f *faults) hit(p float64) bool { return f != nil && f.on.Load() && p > 0 && rand.Float64() < p }
+
+// inject runs before or after a call's work (at random) and may fail it.
+// The error it returns replaces the call's result.
+func (d *disk) inject(op string, write bool) (before, after func() error) {
+	none := func() error { return nil }
+	f := d.faults
+	if f == nil || !f.on.Load() {
+		return none, none
+	}
+	if f.hit(f.slow) {
+		f.nSlow.Add(1)
+		time.Sleep(rand.N(f.maxDelay + 1))
+	}
+	var fault func() error
+	switch {
+	case f.hit(f.panics):
+		f.nPanic.Add(1)
+		fault = func() error { panic(injectedPanic{dev: d.Name(), op: op}) }
+	case f.hit(f.eio):
+		f.nEIO.Add(1)
+		fault = func() error { return errInjected }
+	case write && f.hit(f.enospc):
+		f.nENOSPC.Add(1)
+		fault = func() error { return errNoSpace }
+	default:
+		return none, none
+	}
+	if rand.N(2) == 0 {
+		return fault, none
+	}
+	return none, fault
+}
+
+func newDisk(f *backing.File, fl *faults) *disk {
+	return &disk{f: f, faults: fl, cache: make(map[int64]*slot)}
+}
+
+func (d *disk) Name() string           { return d.f.Name() }
+func (d *disk) ID() backing.ID         { return d.f.ID() }
+func (d *disk) Size() int64            { return d.f.Size() }
+func (d *disk) Limits() backing.Limits { return d.f.Limits() }
+func (d *disk) Close() error           { return d.f.Close() }
+
+// Crash powers the disk off: the cache is dropped and every later call
+// fails. A sync writing back now may still complete, as a disk's may.
+func (d *disk) Crash() {
+	d.dead.Store(true)
+	d.mu.Lock()
+	d.cache = make(map[int64]*slot)
+	d.mu.Unlock()
+}
+
+func (d *disk) check(off, n int64) error {
+	if off < 0 || n < 0 || off > d.Size() || n > d.Size()-off {
+		return fmt.Errorf("range %d+%d outside %s: %w", off, n, d.Name(), syscall.EINVAL)
+	}
+	if d.dead.Load() {
+		return errDead
+	}
+	return nil
+}
+
+// sectorNow returns what sector s holds, cache first. Called with mu held.
+func (d *disk) sectorNow(s int64) ([]byte, error) {
+	b := make([]byte, sector)
+	if sl := d.cache[s]; sl != nil {
+		copy(b, sl.data)
+		return b, nil
+	}
+	_, err := d.f.ReadAt(b, s*sector)
+	return b, err
+}
+
+func (d *disk) ReadAt(p []byte, off int64) (int, error) {
+	if err := d.check(off, int64(len(p))); err != nil {
+		return 0, err
+	}
+	before, after := d.inject("read", false)
+	if err := before(); err != nil {
+		return 0, err
+	}
+	d.mu.Lock()
+	n, err := d.f.ReadAt(p, off)
+	if err == nil {
+		for s := off / sector; s*sector < off+int64(len(p)); s++ {
+			sl := d.cache[s]
+			if sl == nil {
+				continue
+			}
+			lo, hi := max(off, s*sector), min(off+int64(len(p)), (s+1)*sector)
+			dst := p[lo-off : hi-off]
+			if sl.data == nil {
+				clear(dst)
+			} else {
+				copy(dst, sl.data[lo-s*sector:hi-s*sector])
+			}
+		}
+	}
+	d.mu.Unlock()
+	if err != nil {
+		return n, err
+	}
+	return n, after()
+}
+
+// put caches [off, off+n) as data (nil: zeros), sector by sector.
+func (d *disk) put(op string, data []byte, off, n int64) error {
+	if err := d.check(off, n); err != nil {
+		return err
+	}
+	before, after := d.inject(op, true)
+	if err := before(); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	d.gen++
+	for s := off / sector; s*sector < off+n; s++ {
+		lo, hi := max(off, s*sector), min(off+n, (s+1)*sector)
+		sl := &slot{gen: d.gen}
+		switch {
+		case lo == s*sector && hi == (s+1)*sector && data == nil:
+		case lo == s*sector && hi == (s+1)*sector:
+			sl.data = slices.Clone(data[lo-off : hi-off])
+		default:
+			cur, err := d.sectorNow(s)
+			if err != nil {
+				d.mu.Unlock()
+				return err
+			}
+			if data == nil {
+				clear(cur[lo-s*sector : hi-s*sector])
+			} else {
+				copy(cur[lo-s*sector:hi-s*sector], data[lo-off:hi-off])
+			}
+			sl.data = cur
+		}
+		d.cache[s] = sl
+	}
+	d.mu.Unlock()
+	return after()
+}
+
+func (d *disk) WriteAt(p []byte, off int64) (int, error) {
+	if err := d.put("write", p, off, int64(len(p))); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+func (d *disk) Discard(off, n int64) error             { return d.put("discard", nil, off, n) }
+func (d *disk) Zero(off, n int64, mayPunch bool) error { return d.put("zero", nil, off, n) }
+
+// WriteAtDSync is the FUA path: cache the write, then sync.
+func (d *disk) WriteAtDSync(p []byte, off int64) (int, error) {
+	if _, err := d.WriteAt(p, off); err != nil {
+		return 0, err
+	}
+	return len(p), d.Sync()
+}
+
+// Sync writes back every cached sector that is not lost and fdatasyncs the
+// file. An injected failure (before or after the write-back) loses every
+// sector it covered.
+func (d *disk) Sync() error {
+	if d.dead.Load() {
+		return errDead
+	}
+	if d.faults != nil {
+		d.faults.nSync.Add(1)
+	}
+	fail := d.faults.hit(d.faults.syncFail)
+	if fail {
+		d.faults.nSyncFail.Add(1)
+	}
+	before, after := d.inject("sync", false)
+	if err := before(); err != nil {
+		return err
+	}
+	d.syncMu.Lock()
+	defer d.syncMu.Unlock()
+	d.mu.Lock()
+	gen := d.gen
+	type wb struct {
+		s    int64
+		data []byte
+	}
+	var todo []wb
+	for s, sl := range d.cache {
+		if !sl.lost && sl.gen <= gen {
+			todo = append(todo, wb{s, sl.data})
+		}
+	}
+	if fail {
+		for _, w := range todo {
+			d.cache[w.s].lost = true
+		}
+		d.mu.Unlock()
+		return fmt.Errorf("injected sync failure: %w", syscall.EIO)
+	}
+	d.mu.Unlock()
+	// Write back runs of consecutive sectors with one call each.
+	slices.SortFunc(todo, func(a, b wb) int { return cmp.Compare(a.s, b.s) })
+	var err error
+	var run []byte
+	for i, w := range todo {
+		if w.data == nil {
+			run = append(run, make([]byte, sector)...)
+		} else {
+			run = append(run, w.data...)
+		}
+		if i+1 < len(todo) && todo[i+1].s == w.s+1 {
+			continue
+		}
+		first := w.s - int64(len(run)/sector) + 1
+		if _, err = d.f.WriteAt(run, first*sector); err != nil {
+			break
+		}
+		run = run[:0]
+	}
+	if err == nil {
+		err = d.f.Sync()
+	}
+	d.mu.Lock()
+	for _, w := range todo {
+		if sl := d.cache[w.s]; sl != nil && sl.gen <= gen {
+			if err != nil {
+				sl.lost = true
+			} else {
+				delete(d.cache, w.s)
+			}
+		}
+	}
+	d.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	if d.dead.Load() {
+		return errDead
+	}
+	return after()
+}
+
+// Holes reports the sectors that read as zeros because they were never
+// written or were discarded or zeroed, as far as the cache and the file
+// tell.
+func (d *disk) Holes(off, n int64) ([]backing.Range, error) {
+	if err := d.check(off, n); err != nil {
+		return nil, err
+	}
+	// Under mu, so that no write-back lands between asking the file and
+	// looking at the cache.
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	inner, err := d.f.Holes(off, n)
+	if err != nil {
+		return nil, err
+	}
+	var out []backing.Range
+	add := func(lo, hi int64) {
+		if k := len(out) - 1; k >= 0 && out[k].End() == lo {
+			out[k].Len += hi - lo
+			return
+		}
+		out = append(out, backing.Range{Off: lo, Len: hi - lo})
+	}
+	h := 0
+	for pos := off; pos < off+n; {
+		s := pos / sector
+		hi := min(off+n, (s+1)*sector)
+		for h < len(inner) && inner[h].End() <= pos {
+			h++
+		}
+		hole := false
+		if sl := d.cache[s]; sl != nil {
+			hole = sl.data == nil && pos == s*sector && hi == (s+1)*sector
+		} else {
+			hole = h < len(inner) && inner[h].Off <= pos && inner[h].End() >= hi
+		}
+		if hole {
+			add(pos, hi)
+		}
+		pos = hi
+	}
+	return out, nil
+}
+
+// isInjected reports whether err is one the disk made up.
+func isInjected(err error) bool {
+	return errors.Is(err, errInjected) || errors.Is(err, errNoSpace) || errors.Is(err, errDead)
+}
