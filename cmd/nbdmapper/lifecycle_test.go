@@ -59,7 +59,7 @@ func TestLiveLifecycleUnderFio(t *testing.T) {
 		for !stop.Load() {
 			out, err := exec.Command(fio, "--name=verify", "--ioengine=nbd", "--uri="+s.URI("t"),
 				"--rw=randwrite", "--bs=4k", "--size=8m", "--iodepth=16", "--verify=crc32c",
-				"--verify_fatal=1", "--verify_backlog=128", "--randrepeat=0").CombinedOutput()
+				"--verify_fatal=1", "--verify_backlog=128", "--randrepeat=0", "--verify_state_save=0").CombinedOutput()
 			count++
 			if err != nil || !regexp.MustCompile(`err= 0`).Match(out) {
 				runs <- fmt.Errorf("fio run %d: %v\n%s", count, err, out)
