@@ -9,6 +9,8 @@ import (
 	"net"
 	"sync"
 	"time"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // A raw, pipelined NBD client written from proto.md: fixed newstyle with
@@ -28,18 +30,18 @@ const (
 	repAck       = 1
 	repInfo      = 3
 	repMeta      = 4
-	cmdRead      = 0
-	cmdWrite     = 1
-	cmdDisc      = 2
-	cmdFlush     = 3
-	cmdTrim      = 4
-	cmdCache     = 5
-	cmdZeroes    = 6
-	cmdBlockStat = 7
-	flagFUA      = 1 << 0
-	flagNoHole   = 1 << 1
-	flagReqOne   = 1 << 3
-	flagFastZero = 1 << 4
+	cmdRead      = nbdtest.CmdRead
+	cmdWrite     = nbdtest.CmdWrite
+	cmdDisc      = nbdtest.CmdDisc
+	cmdFlush     = nbdtest.CmdFlush
+	cmdTrim      = nbdtest.CmdTrim
+	cmdCache     = nbdtest.CmdCache
+	cmdZeroes    = nbdtest.CmdWriteZeroes
+	cmdBlockStat = nbdtest.CmdBlockStatus
+	flagFUA      = nbdtest.FlagFUA
+	flagNoHole   = nbdtest.FlagNoHole
+	flagReqOne   = nbdtest.FlagReqOne
+	flagFastZero = nbdtest.FlagFastZero
 	chunkNone    = 0
 	chunkData    = 1
 	chunkHole    = 2

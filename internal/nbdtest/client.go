@@ -56,10 +56,11 @@ const (
 	CmdWriteZeroes = 6
 	CmdBlockStatus = 7
 
-	FlagFUA    = 1 << 0
-	FlagNoHole = 1 << 1
-	FlagDF     = 1 << 2
-	FlagReqOne = 1 << 3
+	FlagFUA      = 1 << 0
+	FlagNoHole   = 1 << 1
+	FlagDF       = 1 << 2
+	FlagReqOne   = 1 << 3
+	FlagFastZero = 1 << 4
 )
 
 // DialOption asks for a protocol extension in the handshake.
