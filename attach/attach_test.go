@@ -78,14 +78,20 @@ func serveNbdkit(t *testing.T) string {
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
 	t.Cleanup(func() { cmd.Process.Kill(); <-exited })
-	nbdtest.Until(t, "nbdkit to create its socket", func() bool {
+	// nbdkit creates the socket (bind) before it listens on it, so the
+	// file existing is not enough: wait until a connection is accepted.
+	nbdtest.Until(t, "nbdkit to accept connections", func() bool {
 		select {
 		case <-exited:
-			t.Fatalf("nbdkit exited before creating its socket: %v", cmd.ProcessState)
+			t.Fatalf("nbdkit exited before accepting connections: %v", cmd.ProcessState)
 		default:
 		}
-		_, err := os.Stat(sock)
-		return err == nil
+		c, err := net.Dial("unix", sock)
+		if err != nil {
+			return false
+		}
+		c.Close()
+		return true
 	})
 	return sock
 }
