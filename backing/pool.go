@@ -19,6 +19,12 @@ type Pool struct {
 	// Wrap, if set, wraps each device once when it is first opened (the
 	// flush engine's dirty tracking, a fault injector in tests).
 	Wrap func(Device) Device
+	// NoHoleMap opens regular files without a HoleMap in front: reads then
+	// read holes like data, and every block status asks the file system.
+	// By default Open puts one in front of each regular file, under Wrap,
+	// so that every change of the file goes through it. Devices given to
+	// Add get none: the caller decides.
+	NoHoleMap bool
 
 	mu     sync.Mutex
 	byID   map[ID]Device
@@ -45,8 +51,11 @@ func (p *Pool) Open(name string) (Device, error) {
 			return nil, err
 		}
 		d = f
+		if !f.block && !p.NoHoleMap {
+			d = NewHoleMap(f)
+		}
 		if p.Wrap != nil {
-			d = p.Wrap(f)
+			d = p.Wrap(d)
 		}
 		p.add(id, d)
 	}
