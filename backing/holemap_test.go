@@ -40,7 +40,7 @@ func (g *gated) WriteAt(p []byte, off int64) (int, error) {
 // call; reached reports that it got there.
 type gate struct{ reached, open chan struct{} }
 
-func newGate() *gate { return &gate{reached: make(chan struct{}), open: make(chan struct{})} }
+func newGate() *gate  { return &gate{reached: make(chan struct{}), open: make(chan struct{})} }
 func (g *gate) wait() { close(g.reached); <-g.open }
 
 func fill(n int, v byte) []byte { return bytes.Repeat([]byte{v}, n) }
