@@ -78,7 +78,7 @@ type faults struct {
 	maxDelay                                     time.Duration
 
 	nEIO, nENOSPC, nSyncFail, nSlow, nPanic, nHoleLag atomic.Int64
-	nSync                                   atomic.Int64 // syncs asked for
+	nSync                                             atomic.Int64 // syncs asked for
 }
 
 func (f *faults) hit(p float64) bool { return f != nil && f.on.Load() && p > 0 && rand.Float64() < p }
