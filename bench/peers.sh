@@ -14,10 +14,19 @@
 # certificate in libnbd's default directory: $HOME/.pki/libnbd for a fresh
 # HOME, running as nobody when run as root (root's is /etc/pki/libnbd).
 #
-# Peers take turns within each round, so a burst of load from elsewhere
-# touches all of them. Prints a markdown table per set: each peer's median
-# figure (IOPS, or MiB/s for 1M rows) and nbdmapper's ratio to the best peer.
+# Peers take turns within each round, starting one later each round, so a
+# burst of load from elsewhere touches all of them. Prints a markdown table
+# per set: each peer's median figure (IOPS, or MiB/s for 1M rows), the
+# spread (min-max over the rounds) and nbdmapper's ratio to the best peer.
 # Results land in bench/results/.
+#
+# Environment:
+#   FILL=written|sparse  the backing file: fully written (default), or a
+#                        fresh sparse file with nothing allocated
+#   ROWS="0 5"           run only these workloads (indices in the list below)
+#   PEERS="..."          the peers, in first-round order (default: nbdmapper
+#                        nbdkit qemu-nbd); nbdmapper-nomap is nbdmapper with
+#                        --hole-map=false, the same binary without sparse reads
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size_mib=${1:-1024}
@@ -28,16 +37,27 @@ sets=${4:-plain tls}
 . bench/lib.sh
 bench_setup peers fio nbdkit qemu-nbd python3 go openssl
 disk=$work/disk.img
-# A fully allocated file, so no peer pays for allocating holes during the run.
-fallocate -l "${size_mib}M" "$disk"
-dd if=/dev/urandom of="$disk" bs=1M count="$size_mib" conv=notrunc status=none
+fill=${FILL:-written}
+case $fill in
+written)
+	# A fully allocated file, so no peer pays for allocating holes during the run.
+	fallocate -l "${size_mib}M" "$disk"
+	dd if=/dev/urandom of="$disk" bs=1M count="$size_mib" conv=notrunc status=none
+	;;
+sparse) truncate -s "${size_mib}M" "$disk" ;;
+*)
+	echo "bench/peers.sh: FILL must be written or sparse" >&2
+	exit 1
+	;;
+esac
 sectors=$((size_mib * 2048))
 echo "0 $sectors linear $disk 0" >"$work/one.table"
 
 start_peer() { # name socket
 	local name=$1 sock=$2
 	case $name in
-	nbdmapper) "$work/nbdmapper" serve --metrics off --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
+	nbdmapper) "$work/nbdmapper" serve --metrics off --control off --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
+	nbdmapper-nomap) "$work/nbdmapper" serve --metrics off --control off --hole-map=false --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
 	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
 		--cache writeback --aio threads "$disk" 2>"$out/$name.log" & ;;
@@ -72,9 +92,13 @@ make_pki() {
 start_tls_peer() {
 	local name=$1 port=$2 p=$work/pki
 	case $name in
-	nbdmapper) "$work/nbdmapper" serve --metrics off --listen "127.0.0.1:$port" --tls require \
-		--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" \
-		"bench=$work/one.table" 2>"$out/$name-tls.log" & ;;
+	nbdmapper | nbdmapper-nomap)
+		local map=true
+		[ "$name" = nbdmapper ] || map=false
+		"$work/nbdmapper" serve --metrics off --control off --hole-map=$map --listen "127.0.0.1:$port" --tls require \
+			--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" \
+			"bench=$work/one.table" 2>"$out/$name-tls.log" &
+		;;
 	nbdkit) nbdkit --foreground --ipaddr 127.0.0.1 --port "$port" --tls=require --tls-certificates "$p" \
 		--tls-verify-peer --exportname bench file "$disk" 2>"$out/$name-tls.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --bind 127.0.0.1 --port "$port" --export-name bench --shared 8 --persistent \
@@ -120,13 +144,15 @@ workloads=(
 	"4k randwrite fsync=1|--rw=randwrite --bs=4k --iodepth=1 --fsync=1"
 	"4k randread 4 conns|--rw=randread --bs=4k --iodepth=8 --numjobs=4"
 )
-peers=(nbdmapper nbdkit qemu-nbd)
+read -r -a peers <<<"${PEERS:-nbdmapper nbdkit qemu-nbd}"
+read -r -a rows <<<"${ROWS:-${!workloads[*]}}"
 [[ " $sets " != *" tls "* ]] || make_pki "$work/pki"
 port=$((20000 + RANDOM % 20000))
 
 for round in $(seq "$rounds"); do
 	for set in $sets; do
-		for peer in "${peers[@]}"; do
+		for k in "${!peers[@]}"; do
+			peer=${peers[$(((k + round - 1) % ${#peers[@]}))]}
 			if [ "$set" = tls ]; then
 				port=$((port + 1))
 				start_tls_peer "$peer" "$port"
@@ -139,7 +165,7 @@ for round in $(seq "$rounds"); do
 				uri="nbd+unix:///bench?socket=$sock"
 				run=fio
 			fi
-			for i in "${!workloads[@]}"; do
+			for i in "${rows[@]}"; do
 				args=${workloads[$i]#*|}
 				# shellcheck disable=SC2086
 				$run --name=w$i --ioengine=nbd "--uri=$uri" $args \
@@ -153,6 +179,11 @@ for round in $(seq "$rounds"); do
 done
 
 printf '%s\n' "${workloads[@]%%|*}" >"$out/names"
+echo "${rows[*]}" >"$out/rows"
+{
+	echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), Linux $(uname -r), $(df -T "$work" | awk 'NR==2 {print $2}') under the files, file $fill"
+	echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
+} | tee "$out/machine"
 for set in $sets; do
 	echo
 	echo "$set:"
@@ -160,6 +191,7 @@ for set in $sets; do
 import json, statistics, sys
 out, rounds, set_, peers = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 names = open(f"{out}/names").read().splitlines()
+rows = [int(i) for i in open(f"{out}/rows").read().split()]
 
 def one(peer, i, r):
     text = open(f"{out}/{set_}-{peer}-{i}-{r}.json").read()
@@ -171,16 +203,19 @@ def one(peer, i, r):
 
 def figure(peer, i):
     unit = "MiB/s" if names[i].startswith("1M") else "IOPS"
-    return statistics.median(one(peer, i, r) for r in range(1, rounds + 1)), unit
+    runs = [one(peer, i, r) for r in range(1, rounds + 1)]
+    return statistics.median(runs), min(runs), max(runs), unit
 
-print("| workload | unit | " + " | ".join(peers) + " | nbdmapper / best peer |")
+print("| workload | unit | " + " | ".join(f"{p} (min-max)" for p in peers) + " | nbdmapper / best peer |")
 print("|---|---|" + "---|" * len(peers) + "---|")
-for i, name in enumerate(names):
+for i in rows:
+    name = names[i]
     vals = {p: figure(p, i) for p in peers}
-    unit = vals[peers[0]][1]
-    best = max(vals[p][0] for p in peers if p != "nbdmapper")
-    ratio = vals["nbdmapper"][0] / best if best else float("nan")
-    cells = " | ".join(f"{vals[p][0]:.0f}" for p in peers)
+    unit = vals[peers[0]][3]
+    others = [vals[p][0] for p in peers if not p.startswith("nbdmapper")]
+    best = max(others) if others else 0
+    ratio = vals["nbdmapper"][0] / best if best and "nbdmapper" in vals else float("nan")
+    cells = " | ".join(f"{v[0]:.0f} ({v[1]:.0f}-{v[2]:.0f})" for v in vals.values())
     print(f"| {name} | {unit} | {cells} | {ratio:.2f} |")
 PY
 done | tee "$out/table.md"
