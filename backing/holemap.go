@@ -108,6 +108,21 @@ func NewHoleMap(d Device) *HoleMap {
 // Unwrap returns the inner device, for operations that do not change it.
 func (h *HoleMap) Unwrap() Device { return h.Device }
 
+// HoleMapOf returns the HoleMap d is, or wraps (through Wrapper), or nil.
+func HoleMapOf(d Device) *HoleMap {
+	for d != nil {
+		if h, ok := d.(*HoleMap); ok {
+			return h
+		}
+		w, ok := d.(Wrapper)
+		if !ok {
+			return nil
+		}
+		d = w.Unwrap()
+	}
+	return nil
+}
+
 // Stats returns the map's counters and occupancy.
 func (h *HoleMap) Stats() HoleMapStats {
 	h.mu.Lock()
