@@ -77,6 +77,11 @@ const (
 	allHoles     = ^uint64(0)
 )
 
+// HoleQueryMemory bounds what one question to the inner device holds: its
+// answer for at most holeQueryMax chunks (4 MiB), at most one range per 1
+// KiB (holes and data alternating in 512-byte blocks), 16 bytes each.
+const HoleQueryMemory = holeQueryMax * holeChunk / 1024 * 16
+
 // HoleMapStats counts what a HoleMap did.
 type HoleMapStats struct {
 	Hits     uint64 // chunks answered from the map

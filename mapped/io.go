@@ -26,8 +26,9 @@ const (
 	// CacheBuffer.
 	WalkMemory = WalkExtents*256 + CacheBuffer
 	// HolesMemory covers one Holes answer inside BlockStatus: at most one
-	// range per 4 KiB block of a holeQuery.
-	HolesMemory = holeQuery / 4096 * 16
+	// range per 4 KiB block of a holeQuery, and the question a hole map
+	// asks the file system meanwhile.
+	HolesMemory = holeQuery/4096*16 + backing.HoleQueryMemory
 )
 
 // Holes a read reports (ReadSparse), and how many: a hole shorter than
