@@ -248,7 +248,7 @@ func TestHoleMapFollowsDevice(t *testing.T) {
 				return off, 1 + rng.Int64N(min(maxLen, size-off))
 			}
 			for i := range 1500 {
-				off, n := span(512 << 10)
+				off, n := span(128 << 10)
 				switch rng.IntN(6) {
 				case 0, 1:
 					h.WriteAt(fill(int(n), byte(i)|1), off)
@@ -263,7 +263,7 @@ func TestHoleMapFollowsDevice(t *testing.T) {
 						t.Fatalf("op %d: Holes(%d, %d) = %v, %v; device says %v", i, off, n, got, err, want)
 					}
 				case 5:
-					off, n = span(4 << 20)
+					off, n = span([]int64{1 << 20, 6 << 20}[rng.IntN(2)]) // 6 MiB: more than one window of queries
 					minHole, maxHoles := []int64{1, 4096, 65536}[rng.IntN(3)], 1+rng.IntN(8)
 					want := make([]byte, n)
 					m.ReadAt(want, off)
