@@ -263,7 +263,7 @@ func TestHoleMapFollowsDevice(t *testing.T) {
 						t.Fatalf("op %d: Holes(%d, %d) = %v, %v; device says %v", i, off, n, got, err, want)
 					}
 				case 5:
-					off, n = span([]int64{1 << 20, 6 << 20}[rng.IntN(2)]) // 6 MiB: more than one window of queries
+					off, n = span([]int64{1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, 6 << 20}[rng.IntN(8)]) // some longer than a window of queries (4 MiB)
 					minHole, maxHoles := []int64{1, 4096, 65536}[rng.IntN(3)], 1+rng.IntN(8)
 					want := make([]byte, n)
 					m.ReadAt(want, off)
