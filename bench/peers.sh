@@ -27,6 +27,9 @@
 #   PEERS="..."          the peers, in first-round order (default: nbdmapper
 #                        nbdkit qemu-nbd); nbdmapper-nomap is nbdmapper with
 #                        --hole-map=false, the same binary without sparse reads
+#   PROFILE=1            nbdmapper writes a CPU profile per round to
+#                        bench/results/.../nbdmapper-ROUND.prof (the binary
+#                        is kept beside them for go tool pprof)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size_mib=${1:-1024}
@@ -56,7 +59,8 @@ echo "0 $sectors linear $disk 0" >"$work/one.table"
 start_peer() { # name socket
 	local name=$1 sock=$2
 	case $name in
-	nbdmapper) "$work/nbdmapper" serve --metrics off --control off --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
+	nbdmapper) "$work/nbdmapper" serve --metrics off --control off ${PROFILE:+--cpuprofile "$out/$name-$round.prof"} \
+		--socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
 	nbdmapper-nomap) "$work/nbdmapper" serve --metrics off --control off --hole-map=false --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
 	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
@@ -145,6 +149,7 @@ workloads=(
 	"4k randread 4 conns|--rw=randread --bs=4k --iodepth=8 --numjobs=4"
 )
 read -r -a peers <<<"${PEERS:-nbdmapper nbdkit qemu-nbd}"
+[ -z "${PROFILE:-}" ] || cp "$work/nbdmapper" "$out/nbdmapper"
 read -r -a rows <<<"${ROWS:-${!workloads[*]}}"
 [[ " $sets " != *" tls "* ]] || make_pki "$work/pki"
 port=$((20000 + RANDOM % 20000))
