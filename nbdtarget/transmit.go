@@ -703,8 +703,8 @@ func (c *conn) readStream(j *job) {
 		}
 	}
 	if c.structured {
-		j.out = appendChunkHeader(j.out[:0], r.Handle, replyFlagDone, chunkOffsetData, 8+r.Length)
-		j.out = appendU64(j.out, r.Offset)
+		j.out = appendDataChunkHeader(j.out[:0], r.Handle, replyFlagDone, r.Offset, r.Length)
+		c.st.readChunks[0].Add(1)
 	} else {
 		j.out = appendSimpleReply(j.out[:0], r.Handle, 0)
 	}
