@@ -289,5 +289,3 @@ func appendHoleChunk(b []byte, handle uint64, flags uint16, off uint64, n uint32
 // maxReadChunkHeader is the longest header a read reply's chunk carries
 // before its data: a hole chunk's.
 const maxReadChunkHeader = chunkHeaderSize + 12
-
-func appendU64(b []byte, v uint64) []byte { return binary.BigEndian.AppendUint64(b, v) }
