@@ -14,12 +14,13 @@ import (
 // and engine of the server shares it and every change of the file passes
 // through it.
 //
-// Exactness. A granule is reported as a hole only if the device said so
-// and no change of the chunk began or completed since it was asked; a
-// stale hole over written data would be data loss, a stale "data" costs
-// only a read. Every chunk maps to a slot, and each slot counts the writes
-// in flight to its chunks and a generation bumped whenever a write, discard
-// or zeroing of one of them completes:
+// Exactness. A stale hole over written data would be data loss; a stale
+// "data" costs only a read. So a write clears the hole bits it covers
+// before it is issued, and an answer of the device is kept only if no
+// write to its chunk is in flight when it is kept and no change of the
+// chunk completed since it was asked. Every chunk maps to a slot, and each
+// slot counts the writes in flight to its chunks and a generation bumped
+// whenever a write, discard or zeroing of one of them completes:
 //
 //	WriteAt      before: clear the chunk's hole bits under the range, writing++
 //	             after:  writing--, gen++
