@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -181,5 +182,31 @@ func BenchmarkRead4K(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// TestReadSparseSnapshots: a snapshot-origin reads its origin's holes
+// sparsely (its reads pass through); a snapshot cannot tell its holes
+// (Holes nil), so its reads are data, zeros included.
+func TestReadSparseSnapshots(t *testing.T) {
+	disk := backing.NewMem("disk", 1<<20)
+	disk.WriteAt(bytes.Repeat([]byte{7}, 4096), 64<<10)
+	devs := memOpener{"disk": backing.NewHoleMap(disk), "cow": backing.NewMem("cow", 1<<20)}
+	mds := parseSet(t, devs, "orig=0 2048 snapshot-origin disk", "snap=0 2048 snapshot disk cow P 8")
+	orig, snap := mds[0], mds[1]
+	defer snap.Close()
+	for _, tc := range []struct {
+		name  string
+		d     *mapped.Device
+		holes []backing.Range
+	}{
+		{"snapshot-origin", orig, []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 68 << 10, Len: 60 << 10}}},
+		{"snapshot", snap, nil},
+	} {
+		p := make([]byte, 128<<10)
+		holes, _, err := tc.d.ReadSparse(p, 0, nil)
+		if err != nil || !slices.Equal(holes, tc.holes) || p[64<<10] != 7 {
+			t.Errorf("%s: holes %v, %v; want %v", tc.name, holes, err, tc.holes)
+		}
 	}
 }
