@@ -202,8 +202,6 @@ func mustEqual(t testing.TB, what string, got, want []byte) {
 	}
 }
 
-
-
 func stringsReader(s string) *strings.Reader { return strings.NewReader(s) }
 
 func itoa(v int64) string { return fmt.Sprint(v) }
