@@ -42,13 +42,13 @@ func servers(t *testing.T, size int64) []server {
 				continue
 			}
 			p := startNbdkit(t, dir, "k", "file", file)
-			out = append(out, server{kind, p.uri(""), file})
+			out = append(out, server{kind, p.URI(""), file})
 		case "qemu-nbd":
 			if _, err := lookPath("qemu-nbd"); err != nil {
 				continue
 			}
-			p := startQemuNbd(t, dir, "q", file)
-			out = append(out, server{kind, p.uri("e"), file})
+			p := nbdtest.StartQemuNbd(t, dir, "q", file, nbdtest.PeerOptions{})
+			out = append(out, server{kind, p.URI("e"), file})
 		case "nbdmapper":
 			out = append(out, server{kind, serveFile(t, file, size), file})
 		}
@@ -174,11 +174,11 @@ func TestMultiConn(t *testing.T) {
 	k := startNbdkit(t, dir, "k", "file", sparseFile(t, dir, "f", 4*mib))
 	opts := testOptions(t)
 	opts.Connections = 3
-	d := openURI(t, k.uri(""), opts)
+	d := openURI(t, k.URI(""), opts)
 	if st := d.Stats(); st.Connections != 3 || st.Wanted != 3 || st.State != StateUp {
 		t.Fatalf("stats %+v, want 3 connections up", st)
 	}
-	if n := k.connects(); n != 3 {
+	if n := k.Connects(); n != 3 {
 		t.Fatalf("nbdkit saw %d connections, want 3", n)
 	}
 	errs := make(chan error, 64)
@@ -196,7 +196,7 @@ func TestMultiConn(t *testing.T) {
 	if err := d.Sync(); err != nil {
 		t.Fatal(err)
 	}
-	if n := k.count("Flush"); n != 1 {
+	if n := k.Count("Flush"); n != 1 {
 		t.Fatalf("%d flushes reached nbdkit, want 1 (multi-conn: one flush covers every connection)", n)
 	}
 }
@@ -210,7 +210,7 @@ func TestBlockSizeLimits(t *testing.T) {
 	file := sparseFile(t, dir, "f", size)
 	k := startNbdkit(t, dir, "k", "--filter=blocksize-policy", "file", file,
 		"blocksize-minimum=4096", "blocksize-preferred=4096", "blocksize-maximum=64K", "blocksize-error-policy=error")
-	d := openURI(t, k.uri(""), testOptions(t))
+	d := openURI(t, k.URI(""), testOptions(t))
 	if d.minBlock != 4096 || d.maxIO != 64<<10 || d.Limits() != (backing.Limits{Granularity: 4096, MaxBytes: 64 << 10}) {
 		t.Fatalf("min %d, max io %d, limits %+v", d.minBlock, d.maxIO, d.Limits())
 	}
@@ -244,11 +244,11 @@ func TestBlockSizeLimits(t *testing.T) {
 	mustEqual(t, "the server's file", readFile(t, file, 0, size), model)
 
 	// A trim is cut inward to whole blocks and split at the maximum.
-	before := k.count("Trim")
+	before := k.Count("Trim")
 	if err := d.Discard(1000, mib); err != nil {
 		t.Fatal(err)
 	}
-	if got, want := k.count("Trim")-before, int((mib-4096)/(64<<10))+1; got != want {
+	if got, want := k.Count("Trim")-before, int((mib-4096)/(64<<10))+1; got != want {
 		t.Fatalf("%d trims reached nbdkit for 1 MiB, want %d", got, want)
 	}
 	if st := d.Stats(); st.ErrorReplies != 0 {
@@ -263,18 +263,18 @@ func TestNoFlushRefused(t *testing.T) {
 	dir := shortDir(t)
 	k := startNbdkit(t, dir, "k", "eval", "get_size=echo 1048576",
 		"pread=dd if=/dev/zero count=$3 iflag=count_bytes status=none", "pwrite=cat >/dev/null")
-	if x, err := dialExport(k.sock, ""); err != nil || x.Flags&0x4 != 0 {
+	if x, err := dialExport(k.Sock, ""); err != nil || x.Flags&0x4 != 0 {
 		t.Fatalf("the eval plugin advertises flags %#x (%v); want no SEND_FLUSH", x.Flags, err)
 	}
-	u, _ := ParseURI(k.uri(""))
-	if d, err := Open(k.uri(""), u, false, testOptions(t)); !errors.Is(err, ErrNoFlush) {
+	u, _ := ParseURI(k.URI(""))
+	if d, err := Open(k.URI(""), u, false, testOptions(t)); !errors.Is(err, ErrNoFlush) {
 		if d != nil {
 			d.Close()
 		}
 		t.Fatalf("Open of a writable export without SEND_FLUSH: %v, want ErrNoFlush", err)
 	}
 	// Read-only it is fine: nothing needs flushing.
-	d, err := Open(k.uri(""), u, true, testOptions(t))
+	d, err := Open(k.URI(""), u, true, testOptions(t))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,7 +19,7 @@ func TestRetryAfterRestart(t *testing.T) {
 	dir := shortDir(t)
 	file := sparseFile(t, dir, "f", 4*mib)
 	k := startNbdkit(t, dir, "k", "--filter=delay", "file", file, "delay-write=300ms")
-	d := openURI(t, k.uri(""), testOptions(t))
+	d := openURI(t, k.URI(""), testOptions(t))
 
 	if _, err := d.WriteAt(pattern(64<<10, 1), 0); err != nil {
 		t.Fatal(err)
@@ -32,13 +32,13 @@ func TestRetryAfterRestart(t *testing.T) {
 		_, err := d.WriteAt(pattern(64<<10, 2), 1*mib)
 		done <- err
 	}()
-	nbdtest.Until(t, "the write to reach nbdkit", func() bool { return k.count("Write") == 2 })
-	k.kill()
+	nbdtest.Until(t, "the write to reach nbdkit", func() bool { return k.Count("Write") == 2 })
+	k.Kill()
 	nbdtest.Until(t, "every connection's loss to be seen", func() bool { return d.Stats().State == StateDown })
 	if st := d.Stats(); st.Lost {
 		t.Fatalf("after the kill: %+v; want down, nothing lost (all was flushed)", st)
 	}
-	k.start()
+	k.Start()
 	if err := nbdtest.Recv(t, done, "the retried write"); err != nil {
 		t.Fatalf("write across a restart: %v", err)
 	}
@@ -60,7 +60,7 @@ func TestLostWritesFailFlushes(t *testing.T) {
 	file := sparseFile(t, dir, "f", 4*mib)
 	k := startNbdkit(t, dir, "k", "file", file)
 	f := flush.New()
-	d := openURI(t, k.uri(""), testOptions(t))
+	d := openURI(t, k.URI(""), testOptions(t))
 	dev := f.Track(d)
 
 	if _, err := dev.WriteAt(pattern(4096, 1), 0); err != nil {
@@ -72,9 +72,9 @@ func TestLostWritesFailFlushes(t *testing.T) {
 	if _, err := dev.WriteAt(pattern(4096, 2), 8192); err != nil { // acknowledged, not flushed
 		t.Fatal(err)
 	}
-	flushes := k.count("Flush")
-	k.kill()
-	k.start()
+	flushes := k.Count("Flush")
+	k.Kill()
+	k.Start()
 	nbdtest.Until(t, "the reconnection", func() bool { return d.Stats().Reconnects > 0 })
 	if st := d.Stats(); !st.Lost || st.Unflushed != 1 {
 		t.Fatalf("stats %+v; want lost, 1 unflushed", st)
@@ -98,7 +98,7 @@ func TestLostWritesFailFlushes(t *testing.T) {
 			t.Fatalf("flush %d: %v, want the engine's sticky ErrSyncFailed", i, err)
 		}
 	}
-	if n := k.count("Flush") - flushes; n != 0 {
+	if n := k.Count("Flush") - flushes; n != 0 {
 		t.Fatalf("%d flushes reached the restarted remote; a flush over the gap must not be sent", n)
 	}
 }
@@ -110,8 +110,8 @@ func TestDeadline(t *testing.T) {
 	k := startNbdkit(t, dir, "k", "file", sparseFile(t, dir, "f", 4*mib))
 	opts := testOptions(t)
 	opts.Timeout = 300 * time.Millisecond
-	d := openURI(t, k.uri(""), opts)
-	k.kill()
+	d := openURI(t, k.URI(""), opts)
+	k.Kill()
 	b := make([]byte, 4096)
 	if _, err := d.ReadAt(b, 0); !errors.Is(err, ErrTimeout) {
 		t.Fatalf("read with the remote gone: %v, want ErrTimeout", err)
@@ -122,7 +122,7 @@ func TestDeadline(t *testing.T) {
 	if st := d.Stats(); st.Timeouts != 2 || st.State != StateDown || st.DialErrors == 0 {
 		t.Fatalf("stats %+v; want 2 timeouts, down, failed reconnections", st)
 	}
-	k.start()
+	k.Start()
 	nbdtest.Until(t, "the reconnection", func() bool { return d.Stats().State == StateUp })
 	if _, err := d.ReadAt(b, 0); err != nil {
 		t.Fatal(err)
@@ -138,7 +138,7 @@ func TestHungRemote(t *testing.T) {
 	opts := testOptions(t)
 	opts.Timeout = 300 * time.Millisecond
 	opts.Connections = 1
-	d := openURI(t, k.uri(""), opts)
+	d := openURI(t, k.URI(""), opts)
 	b := make([]byte, 4096)
 	if _, err := d.ReadAt(b, 0); !errors.Is(err, ErrTimeout) {
 		t.Fatalf("read from a hung remote: %v, want ErrTimeout", err)
@@ -161,7 +161,7 @@ func TestChurn(t *testing.T) {
 	const size = 8 * mib
 	file := sparseFile(t, dir, "f", size)
 	k := startNbdkit(t, dir, "k", "file", file)
-	d := openURI(t, k.uri(""), testOptions(t))
+	d := openURI(t, k.URI(""), testOptions(t))
 	const writers, each = 16, 200
 	var wg sync.WaitGroup
 	errs := make(chan error, writers)
@@ -181,8 +181,8 @@ func TestChurn(t *testing.T) {
 	for range 3 {
 		before := d.Stats().Requests["write"]
 		nbdtest.Until(t, "writes to flow", func() bool { return d.Stats().Requests["write"] > before+50 })
-		k.kill()
-		k.start()
+		k.Kill()
+		k.Start()
 	}
 	nbdtest.Wait(t, &wg, "the writers")
 	close(errs)

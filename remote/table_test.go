@@ -10,6 +10,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -23,9 +24,9 @@ func TestPoolOpensEachRemoteOnce(t *testing.T) {
 	pool := &backing.Pool{Schemes: []backing.Scheme{s}}
 	defer pool.Close()
 	spellings := []string{
-		"nbd+unix:///e?socket=" + k.sock,
-		"NBD+UNIX:///e?socket=" + k.sock,
-		"nbd+unix:///%65?socket=" + k.sock,
+		"nbd+unix:///e?socket=" + k.Sock,
+		"NBD+UNIX:///e?socket=" + k.Sock,
+		"nbd+unix:///%65?socket=" + k.Sock,
 		"nbd+unix:///e?socket=" + dir + "/./k.sock",
 	}
 	var first backing.Device
@@ -43,7 +44,7 @@ func TestPoolOpensEachRemoteOnce(t *testing.T) {
 	if n := len(pool.Devices()); n != 1 {
 		t.Fatalf("pool has %d devices", n)
 	}
-	if n := k.connects(); n != DefaultConnections {
+	if n := k.Connects(); n != DefaultConnections {
 		t.Fatalf("nbdkit saw %d connections, want one device's %d", n, DefaultConnections)
 	}
 	if _, err := pool.Open("nbd+unix:///e"); err == nil || !strings.Contains(err.Error(), "socket") {
@@ -55,7 +56,7 @@ func TestPoolOpensEachRemoteOnce(t *testing.T) {
 // nbdkit on a unix socket, with the server's engines, as `nbdmapper serve`
 // builds it.
 type remoteRig struct {
-	remotes []*peer
+	remotes []*nbdtest.Peer
 	files   []string
 	dev     *mapped.Device
 	flush   *flush.Engine
@@ -84,7 +85,7 @@ func newRemoteRig(t *testing.T, n int, size int64, extra []string, gen func(uris
 		args := append(append(flags, "file", file), params...)
 		p := startNbdkit(t, dir, fmt.Sprintf("r%d", i), args...)
 		r.remotes, r.files = append(r.remotes, p), append(r.files, file)
-		uris = append(uris, p.uri(""))
+		uris = append(uris, p.URI(""))
 	}
 	r.scheme = &Scheme{Options: testOptions(t)}
 	pool := &backing.Pool{Wrap: r.flush.Track, Schemes: []backing.Scheme{r.scheme}}
@@ -152,7 +153,7 @@ func TestLinear1024Placement(t *testing.T) {
 		off := rng.Int64N(total - n)
 		touches3 := false
 		tb.Map(off, n, func(e table.Extent) bool {
-			touches3 = e.Dev.Name() == r.remotes[3].uri("")
+			touches3 = e.Dev.Name() == r.remotes[3].URI("")
 			return !touches3
 		})
 		if touches3 {
@@ -167,7 +168,7 @@ func TestLinear1024Placement(t *testing.T) {
 	flushes := func() []int {
 		out := make([]int, len(r.remotes))
 		for i, p := range r.remotes {
-			out[i] = p.count("Flush")
+			out[i] = p.Count("Flush")
 		}
 		return out
 	}
@@ -191,7 +192,7 @@ func TestLinear1024Placement(t *testing.T) {
 	}
 	fileOf := map[string]string{}
 	for i, p := range r.remotes {
-		fileOf[p.uri("")] = r.files[i]
+		fileOf[p.URI("")] = r.files[i]
 	}
 	for v := int64(0); v < total; v += 997 {
 		want := model[v]
@@ -204,14 +205,14 @@ func TestLinear1024Placement(t *testing.T) {
 	// range, split at the remote's 4 MiB maximum.
 	trims := make([]int, len(r.remotes))
 	for i, p := range r.remotes {
-		trims[i] = p.count("Trim")
+		trims[i] = p.Count("Trim")
 	}
 	if err := r.dev.Trim(0, total, false); err != nil {
 		t.Fatal(err)
 	}
 	for i, p := range r.remotes {
-		if got, want := p.count("Trim")-trims[i], int(size/maxTrim); got != want {
-			t.Errorf("remote %d got %d TRIMs for the whole device, want %d: %v", i, got, want, p.logLines("Trim"))
+		if got, want := p.Count("Trim")-trims[i], int(size/maxTrim); got != want {
+			t.Errorf("remote %d got %d TRIMs for the whole device, want %d: %v", i, got, want, p.LogLines("Trim"))
 		}
 	}
 	for i := range r.remotes {
@@ -255,7 +256,7 @@ func TestStripedPlacement(t *testing.T) {
 			readFile(t, r.files[remote], at, chunk), data[k*chunk:(k+1)*chunk])
 	}
 	for i, p := range r.remotes {
-		if n := p.count("Flush"); n != 1 {
+		if n := p.Count("Flush"); n != 1 {
 			t.Errorf("remote %d got %d flushes, want 1", i, n)
 		}
 	}
