@@ -38,7 +38,7 @@ func statusRoutes(exports []*nbdtarget.Export, f *flush.Engine, r *remote.Scheme
 		"/status": page(func(x *nbdtarget.Export) string {
 			return x.Dev.Table().Status() + failedLines(x, f) + remoteLines(x.Dev.Devices(), r)
 		}),
-		"/table":  page(func(x *nbdtarget.Export) string { return x.Dev.Table().String() }),
+		"/table": page(func(x *nbdtarget.Export) string { return x.Dev.Table().String() }),
 	}
 }
 
