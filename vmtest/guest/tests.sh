@@ -22,6 +22,7 @@ cleanup() {
 	"$NBDMAPPER" detach /dev/nbd1 >/dev/null 2>&1
 	detach /dev/nbd0 >/dev/null 2>&1
 	unserve
+	remote_stop
 }
 
 # 1. A filesystem on a 1024-segment table: mkfs (which discards), files,
@@ -463,7 +464,103 @@ test_live_snapshot() {
 	[ "$kern" = "$before" ] || { say "the kernel reads the live snapshot's COW store differently"; return 1; }
 }
 
-all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot lifecycle live_snapshot)
+# Remote segments. The guest has no network, so its four "remote hosts"
+# are nbdkits inside it, each serving a 64 MiB quarter of the scratch disk
+# (offset filter), three on unix sockets and one on loopback TCP; a
+# striped table over the four, and a linear table of 1024 segments spread
+# over them, are each attached as /dev/nbd0: mkfs, files, fsck, and fsck
+# and checksums again after nbdmapper restarts.
+remote_pids=()
+
+remote_start() {
+	command -v nbdkit >/dev/null || { say "SKIP no nbdkit"; return 77; }
+	ip link set lo up 2>/dev/null
+	local i listen
+	remote_uris=()
+	for i in 0 1 2 3; do
+		rm -f "/tmp/r$i.sock"
+		if [ $i = 3 ] && ip -4 addr show lo 2>/dev/null | grep -q 127.0.0.1; then
+			listen=(-i 127.0.0.1 -p 10809)
+			remote_uris+=("nbd://127.0.0.1:10809/")
+		else
+			listen=(-U "/tmp/r$i.sock")
+			remote_uris+=("nbd+unix:///?socket=/tmp/r$i.sock")
+		fi
+		nbdkit -f "${listen[@]}" --filter=offset --filter=log file "$disk" \
+			offset=$((i * 64))M range=64M logfile="/tmp/r$i.log" logappend=true >>/tmp/nbdkit.log 2>&1 &
+		remote_pids+=($!)
+	done
+	for ((i = 0; i < 300; i++)); do
+		[ "$(cat /tmp/r?.log 2>/dev/null | grep -c ' Ready ')" -ge 4 ] && return 0
+		sleep 0.1
+	done
+	say "the nbdkit remotes did not start:"
+	cat /tmp/nbdkit.log
+	return 1
+}
+
+remote_stop() {
+	local p
+	for p in "${remote_pids[@]}"; do kill "$p" 2>/dev/null; done
+	for p in "${remote_pids[@]}"; do wait "$p" 2>/dev/null; done
+	remote_pids=()
+}
+
+# remote_fs TABLE: a filesystem through /dev/nbd0 on TABLE, checked after
+# a restart of nbdmapper.
+remote_fs() {
+	local t=$1
+	serve "$t" && attach /dev/nbd0 --connections 2 || return 1
+	mkfs.ext4 -q -F /dev/nbd0 || return 1
+	mkdir -p /tmp/mnt
+	mount /dev/nbd0 /tmp/mnt || return 1
+	local i
+	for ((i = 0; i < 12; i++)); do
+		head -c $(((i * 7919) % 3000000 + 1)) /dev/urandom >"/tmp/mnt/f$i"
+	done
+	head -c 30000000 /dev/urandom >/tmp/mnt/big
+	(cd /tmp/mnt && find . -type f | sort | xargs sha256sum) >/tmp/rsums
+	sync
+	umount /tmp/mnt || return 1
+	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
+		cat /tmp/fsck.log
+		say "e2fsck found errors"
+		return 1
+	}
+	detach
+	unserve
+	echo 3 >/proc/sys/vm/drop_caches
+	serve "$t" && attach || return 1
+	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
+		cat /tmp/fsck.log
+		say "e2fsck after restart found errors"
+		return 1
+	}
+	mount /dev/nbd0 /tmp/mnt || return 1
+	(cd /tmp/mnt && sha256sum --quiet -c /tmp/rsums) || return 1
+	umount /tmp/mnt
+	detach
+	unserve
+}
+
+test_remote() {
+	remote_start || return $?
+	say "remotes: ${remote_uris[*]}"
+	local quarter=$((64 << 11)) i
+	echo "0 $((4 * quarter)) striped 4 128 ${remote_uris[0]} 0 ${remote_uris[1]} 0 ${remote_uris[2]} 0 ${remote_uris[3]} 0" >/tmp/remote-striped
+	: >/tmp/remote-linear
+	for ((i = 0; i < 1024; i++)); do
+		echo "$((i * 512)) 512 linear ${remote_uris[i % 4]} $(((i / 4 * 389 % 256) * 512))" >>/tmp/remote-linear
+	done
+	remote_fs /tmp/remote-striped || return 1
+	local f0 f
+	f0=$(cat /tmp/r?.log | grep -c ' Flush id=')
+	remote_fs /tmp/remote-linear || return 1
+	f=$(($(cat /tmp/r?.log | grep -c ' Flush id=') - f0))
+	metric remote_linear_remote_flushes "$f"
+}
+
+all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot lifecycle live_snapshot remote)
 [ $# -gt 0 ] && all=("$@")
 if [ ! -x "$NBDMAPPER" ]; then
 	for t in "${all[@]}"; do result "$t" FAIL "no nbdmapper binary (did go build fail?)"; done
