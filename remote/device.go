@@ -387,6 +387,23 @@ func (d *Device) setErr(err error) {
 // deadlines, on other connections or for this one.
 func (d *Device) keep(slot int, cn *conn) {
 	defer d.wg.Done()
+	defer func() {
+		// A panic here is a bug; the slot must not stay down for it.
+		if v := recover(); v != nil {
+			if d.opts.OnPanic != nil {
+				d.opts.OnPanic(v, debug.Stack())
+			}
+			d.mu.Lock()
+			closed := d.closed
+			if !closed {
+				d.wg.Add(1)
+			}
+			d.mu.Unlock()
+			if !closed {
+				go d.keep(slot, cn)
+			}
+		}
+	}()
 	backoff := d.opts.BackoffMin
 	for {
 		if cn != nil {
@@ -536,6 +553,9 @@ func (d *Device) do(c *call) error {
 			select {
 			case <-cn.gone:
 			case <-time.After(time.Until(c.deadline)):
+			}
+			if !time.Now().Before(c.deadline) {
+				return d.failed(c, ErrTimeout)
 			}
 			continue
 		}
