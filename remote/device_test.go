@@ -95,16 +95,9 @@ func TestReadWrite(t *testing.T) {
 					t.Fatalf("write %d+%d: %v", off, n, err)
 				}
 				copy(model[off:], p)
-				back := make([]byte, n)
-				if _, err := d.ReadAt(back, off); err != nil {
-					t.Fatalf("read %d+%d: %v", off, n, err)
-				}
-				mustEqual(t, "read back", back, model[off:off+n])
+				readBack(t, d, off, model[off:off+n])
 			}
-			if err := d.Sync(); err != nil {
-				t.Fatal(err)
-			}
-			mustEqual(t, "the server's file", readFile(t, s.file, 0, size), model)
+			syncedFile(t, d, s.file, model)
 			if st := d.Stats(); st.Requests["flush"] != 1 || st.Unflushed != 0 || st.Lost {
 				t.Errorf("stats after one flush: %+v", st)
 			}
@@ -232,16 +225,9 @@ func TestBlockSizeLimits(t *testing.T) {
 			}
 			clear(model[off : off+n])
 		}
-		back := make([]byte, n)
-		if _, err := d.ReadAt(back, off); err != nil {
-			t.Fatalf("read %d+%d: %v", off, n, err)
-		}
-		mustEqual(t, "read back", back, model[off:off+n])
+		readBack(t, d, off, model[off:off+n])
 	}
-	if err := d.Sync(); err != nil {
-		t.Fatal(err)
-	}
-	mustEqual(t, "the server's file", readFile(t, file, 0, size), model)
+	syncedFile(t, d, file, model)
 
 	// A trim is cut inward to whole blocks and split at the maximum.
 	before := k.Count("Trim")

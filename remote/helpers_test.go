@@ -13,17 +13,8 @@ import (
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
-// shortDir is a fresh directory for unix sockets, whose paths must stay
-// under 108 bytes (t.TempDir's are long).
-func shortDir(t testing.TB) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "rmt")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
-}
+// shortDir is a directory for unix sockets.
+func shortDir(t testing.TB) string { return nbdtest.ShortDir(t) }
 
 // startNbdkit runs nbdkit on dir/NAME.sock with its log filter (see
 // nbdtest.StartNbdkit).
@@ -98,3 +89,22 @@ func mustEqual(t testing.TB, what string, got, want []byte) {
 func stringsReader(s string) *strings.Reader { return strings.NewReader(s) }
 
 func itoa(v int64) string { return fmt.Sprint(v) }
+
+// readBack reads [off, off+len(want)) from d and compares it with want.
+func readBack(t testing.TB, d *Device, off int64, want []byte) {
+	t.Helper()
+	back := make([]byte, len(want))
+	if _, err := d.ReadAt(back, off); err != nil {
+		t.Fatalf("read %d+%d: %v", off, len(want), err)
+	}
+	mustEqual(t, "read back", back, want)
+}
+
+// syncedFile syncs d and compares the server's whole file with want.
+func syncedFile(t testing.TB, d *Device, file string, want []byte) {
+	t.Helper()
+	if err := d.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "the server's file", readFile(t, file, 0, int64(len(want))), want)
+}

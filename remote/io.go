@@ -198,6 +198,22 @@ func (d *Device) writePart(src []byte, off, n int64, flags uint16) error {
 	return d.rw(wire.CmdWrite, flags, piece{off: blk, n: d.minBlock, buf: b})
 }
 
+// lockRMW takes rmw for a change of data with the given head and tail:
+// exclusively if it has one (it will read, patch and write back a block),
+// shared otherwise; not at all when the remote's minimum block is 1. It
+// returns the unlock.
+func (d *Device) lockRMW(head, tail backing.Range) func() {
+	switch {
+	case d.minBlock == 1:
+		return func() {}
+	case head.Len > 0 || tail.Len > 0:
+		d.rmw.Lock()
+		return d.rmw.Unlock
+	}
+	d.rmw.RLock()
+	return d.rmw.RUnlock
+}
+
 func (d *Device) WriteAt(p []byte, off int64) (n int, err error) {
 	if err := d.write(p, off, 0); err != nil {
 		return 0, err
@@ -228,15 +244,7 @@ func (d *Device) write(p []byte, off int64, flags uint16) (err error) {
 		return err
 	}
 	head, mid, tail := d.split(off, int64(len(p)))
-	if d.minBlock > 1 {
-		if head.Len > 0 || tail.Len > 0 {
-			d.rmw.Lock()
-			defer d.rmw.Unlock()
-		} else {
-			d.rmw.RLock()
-			defer d.rmw.RUnlock()
-		}
-	}
+	defer d.lockRMW(head, tail)()
 	if head.Len == 0 && tail.Len == 0 && mid.Len <= d.maxIO {
 		if mid.Len == 0 {
 			return nil
@@ -320,15 +328,7 @@ func (d *Device) zero(off, n int64, mayPunch, fast bool) (err error) {
 		flags |= wire.CfFastZero
 	}
 	head, mid, tail := d.split(off, n)
-	if d.minBlock > 1 {
-		if head.Len > 0 || tail.Len > 0 {
-			d.rmw.Lock()
-			defer d.rmw.Unlock()
-		} else {
-			d.rmw.RLock()
-			defer d.rmw.RUnlock()
-		}
-	}
+	defer d.lockRMW(head, tail)()
 	if mid.Len > 0 {
 		err = d.run(pieces(mid, mid.Off, nil, d.maxLen), func(p piece) error { return d.ranged(wire.CmdWriteZeroes, flags, p) })
 		if fast && errors.Is(err, syscall.EOPNOTSUPP) {

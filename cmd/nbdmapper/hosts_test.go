@@ -64,7 +64,7 @@ func TestHosts(t *testing.T) {
 		nbdtest.Tool(t, tool)
 	}
 	nbdtest.Python(t)
-	r := &hostRig{net: netns.New(t, 4), dir: shortDir(t)}
+	r := &hostRig{net: netns.New(t, 4), dir: nbdtest.ShortDir(t)}
 	r.startHosts(t)
 	r.startClient(t)
 

@@ -15,24 +15,13 @@ import (
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
-// shortDir is a directory for unix sockets, whose paths must stay short.
-func shortDir(t *testing.T) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "nbdm")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
-}
-
 // TestServeRemote serves tables over two nbdkit remotes (unix sockets)
 // with the real binary: bytes land where the tables say on the remotes'
 // files, one client flush is one NBD flush per written remote, status
 // shows each remote under each export, and check validates URIs with and
 // without connecting.
 func TestServeRemote(t *testing.T) {
-	dir := shortDir(t)
+	dir := nbdtest.ShortDir(t)
 	const size = 8 << 20
 	var files []string
 	var peers []*nbdtest.Peer

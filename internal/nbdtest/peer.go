@@ -42,11 +42,19 @@ type PeerOptions struct {
 	Dial func(network, addr string) (net.Conn, error)
 }
 
-func (p *Peer) place(opts PeerOptions) {
+// place sets where the peer listens, and returns the server's options for
+// it: the socket flag and sock, or the address and port flags and opts.Addr.
+func (p *Peer) place(opts PeerOptions, sock, sockFlag, hostFlag, portFlag string) []string {
 	p.addr, p.dial = opts.Addr, opts.Dial
 	if p.dial == nil {
 		p.dial = net.Dial
 	}
+	if opts.Addr != "" {
+		host, port, _ := net.SplitHostPort(opts.Addr)
+		return []string{hostFlag, host, portFlag, port}
+	}
+	p.Sock = sock
+	return []string{sockFlag, sock}
 }
 
 // StartNbdkit runs `nbdkit -f --exit-with-parent --filter=log ARGS...`
@@ -57,14 +65,7 @@ func StartNbdkit(t testing.TB, dir, name string, opts PeerOptions, args ...strin
 	t.Helper()
 	bin := Tool(t, "nbdkit")
 	p := &Peer{t: t, Name: name, Log: filepath.Join(dir, name+".log")}
-	p.place(opts)
-	listen := []string{"-U", filepath.Join(dir, name+".sock")}
-	if opts.Addr != "" {
-		host, port, _ := net.SplitHostPort(opts.Addr)
-		listen = []string{"-i", host, "-p", port}
-	} else {
-		p.Sock = listen[1]
-	}
+	listen := p.place(opts, filepath.Join(dir, name+".sock"), "-U", "-i", "-p")
 	p.argv = append(append(append([]string(nil), opts.Wrap...), bin, "-f", "--exit-with-parent", "--filter=log"), listen...)
 	p.argv = append(append(p.argv, args...), "logfile="+p.Log, "logappend=true")
 	p.Start()
@@ -78,14 +79,7 @@ func StartQemuNbd(t testing.TB, dir, name, file string, opts PeerOptions) *Peer 
 	t.Helper()
 	bin := Tool(t, "qemu-nbd")
 	p := &Peer{t: t, Name: name}
-	p.place(opts)
-	listen := []string{"-k", filepath.Join(dir, name+".sock")}
-	if opts.Addr != "" {
-		host, port, _ := net.SplitHostPort(opts.Addr)
-		listen = []string{"-b", host, "-p", port}
-	} else {
-		p.Sock = listen[1]
-	}
+	listen := p.place(opts, filepath.Join(dir, name+".sock"), "-k", "-b", "-p")
 	p.argv = append(append(append([]string(nil), opts.Wrap...), bin), listen...)
 	p.argv = append(p.argv, "-f", "raw", "-x", "e", "--shared=8", "--persistent", "--cache=writeback", "--discard=unmap", file)
 	p.Start()

@@ -25,20 +25,20 @@ cleanup() {
 	remote_stop
 }
 
-# 1. A filesystem on a 1024-segment table: mkfs (which discards), files,
-# fsck, and the files' checksums after a restart of the server.
-test_fs() {
-	serve "$table" && attach || return 1
+# fs_make N BIG SUMS: a fresh filesystem on /dev/nbd0 holding N small files
+# and one of BIG bytes, their checksums written to SUMS; fsck'd clean after
+# unmounting.
+fs_make() {
+	local n=$1 big=$2 sums=$3 i
 	mkfs.ext4 -q -F /dev/nbd0 || return 1
 	mkdir -p /tmp/mnt
 	mount /dev/nbd0 /tmp/mnt || return 1
 	mkdir -p /tmp/mnt/a/b/c
-	local i
-	for ((i = 0; i < 24; i++)); do
+	for ((i = 0; i < n; i++)); do
 		head -c $(((i * 7919) % 3000000 + 1)) /dev/urandom >"/tmp/mnt/a/f$i"
 	done
-	head -c 20000000 /dev/urandom >/tmp/mnt/a/b/c/big
-	(cd /tmp/mnt && find . -type f | sort | xargs sha256sum) >/tmp/sums
+	head -c "$big" /dev/urandom >/tmp/mnt/a/b/c/big
+	(cd /tmp/mnt && find . -type f | sort | xargs sha256sum) >"$sums"
 	sync
 	umount /tmp/mnt || return 1
 	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
@@ -46,21 +46,35 @@ test_fs() {
 		say "e2fsck found errors"
 		return 1
 	}
+}
+
+# fs_check SUMS: /dev/nbd0 fscks clean and its files have the checksums in
+# SUMS.
+fs_check() {
+	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
+		cat /tmp/fsck.log
+		say "e2fsck after restart found errors"
+		return 1
+	}
+	mkdir -p /tmp/mnt
+	mount /dev/nbd0 /tmp/mnt || return 1
+	(cd /tmp/mnt && sha256sum --quiet -c "$1") || return 1
+	umount /tmp/mnt
+}
+
+# 1. A filesystem on a 1024-segment table: mkfs (which discards), files,
+# fsck, and the files' checksums after a restart of the server.
+test_fs() {
+	serve "$table" && attach || return 1
+	fs_make 24 20000000 /tmp/sums || return 1
 	detach
 	unserve
 	# a new server process and cold caches: the data must come from the disk
 	# (attached with four connections this time)
 	echo 3 >/proc/sys/vm/drop_caches
 	serve "$table" && attach /dev/nbd0 --connections 4 || return 1
-	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
-		cat /tmp/fsck.log
-		say "e2fsck after restart found errors"
-		return 1
-	}
-	mount /dev/nbd0 /tmp/mnt || return 1
-	(cd /tmp/mnt && sha256sum --quiet -c /tmp/sums) || return 1
+	fs_check /tmp/sums || return 1
 	metric fs_files "$(wc -l </tmp/sums)"
-	umount /tmp/mnt
 }
 
 # 2. The kernel's dm-linear over the same table reads what nbdmapper wrote,
@@ -509,36 +523,13 @@ remote_stop() {
 # remote_fs TABLE: a filesystem through /dev/nbd0 on TABLE, checked after
 # a restart of nbdmapper.
 remote_fs() {
-	local t=$1
-	serve "$t" && attach /dev/nbd0 --connections 2 || return 1
-	mkfs.ext4 -q -F /dev/nbd0 || return 1
-	mkdir -p /tmp/mnt
-	mount /dev/nbd0 /tmp/mnt || return 1
-	local i
-	for ((i = 0; i < 12; i++)); do
-		head -c $(((i * 7919) % 3000000 + 1)) /dev/urandom >"/tmp/mnt/f$i"
-	done
-	head -c 30000000 /dev/urandom >/tmp/mnt/big
-	(cd /tmp/mnt && find . -type f | sort | xargs sha256sum) >/tmp/rsums
-	sync
-	umount /tmp/mnt || return 1
-	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
-		cat /tmp/fsck.log
-		say "e2fsck found errors"
-		return 1
-	}
+	serve "$1" && attach /dev/nbd0 --connections 2 || return 1
+	fs_make 12 30000000 /tmp/rsums || return 1
 	detach
 	unserve
 	echo 3 >/proc/sys/vm/drop_caches
-	serve "$t" && attach || return 1
-	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
-		cat /tmp/fsck.log
-		say "e2fsck after restart found errors"
-		return 1
-	}
-	mount /dev/nbd0 /tmp/mnt || return 1
-	(cd /tmp/mnt && sha256sum --quiet -c /tmp/rsums) || return 1
-	umount /tmp/mnt
+	serve "$1" && attach || return 1
+	fs_check /tmp/rsums || return 1
 	detach
 	unserve
 }
