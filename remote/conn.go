@@ -104,12 +104,14 @@ func (cn *conn) fail(err error) {
 }
 
 // disconnect asks the server politely to end the session (NBD_CMD_DISC),
-// then closes the connection.
+// then closes the connection. A connection busy writing (a remote that
+// does not read) is just closed: Close must not wait for it.
 func (cn *conn) disconnect() {
-	cn.wmu.Lock()
-	cn.nc.SetWriteDeadline(time.Now().Add(time.Second))
-	cn.nc.Write(wire.AppendRequest(cn.wbuf[:0], wire.Request{Type: wire.CmdDisc}))
-	cn.wmu.Unlock()
+	if cn.wmu.TryLock() {
+		cn.nc.SetWriteDeadline(time.Now().Add(time.Second))
+		cn.nc.Write(wire.AppendRequest(cn.wbuf[:0], wire.Request{Type: wire.CmdDisc}))
+		cn.wmu.Unlock()
+	}
 	cn.fail(errClosed)
 }
 
