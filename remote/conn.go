@@ -160,9 +160,10 @@ func (cn *conn) replies() (err error) {
 
 // finish hands c back to its caller. The device's view of what the remote
 // acknowledged changes here, on the reader, before the caller is woken and
-// before a later loss of this connection is reported: a write counts as
-// acknowledged (and unflushed) from its reply on; a flush's reply covers
-// every write acknowledged before it was sent.
+// before a later loss of this connection is reported: a write (or
+// write-zeroes) without FUA counts as acknowledged and unflushed from its
+// reply on; a flush's reply covers every write acknowledged before it was
+// sent.
 func (cn *conn) finish(c *call, err error) {
 	cn.inflight.Add(-1)
 	d := cn.d
@@ -175,7 +176,7 @@ func (cn *conn) finish(c *call, err error) {
 			d.st.errorReplies.Add(1)
 		case c.req.Type == wire.CmdFlush:
 			d.flushedUpTo(c.flushStart)
-		case c.req.Flags&wire.CfFUA == 0 && modifies(c.req.Type):
+		case c.req.Flags&wire.CfFUA == 0 && mustPersist(c.req.Type):
 			d.acked.Add(1)
 		}
 		d.roundTrip(c.req.Type, time.Since(c.sent))
@@ -184,8 +185,11 @@ func (cn *conn) finish(c *call, err error) {
 	c.done <- struct{}{}
 }
 
-func modifies(cmd uint16) bool {
-	return cmd == wire.CmdWrite || cmd == wire.CmdTrim || cmd == wire.CmdWriteZeroes
+// mustPersist says whether an acknowledged cmd is lost data if the remote
+// restarts before a flush: writes and write-zeroes are. A trim is not: the
+// trimmed range may read back as anything, its old bytes included.
+func mustPersist(cmd uint16) bool {
+	return cmd == wire.CmdWrite || cmd == wire.CmdWriteZeroes
 }
 
 // watch fails the connection when a request on it is past its deadline:

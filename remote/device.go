@@ -129,9 +129,9 @@ type Device struct {
 
 	sem chan struct{} // a slot per request in flight
 
-	// acked counts writes, trims and zeroings the remote acknowledged
-	// without FUA; flushed is acked as it was when the last successful
-	// flush was sent. acked > flushed: the remote holds acknowledged
+	// acked counts writes and zeroings the remote acknowledged without
+	// FUA; flushed is acked as it was when the last successful flush was
+	// sent. acked > flushed: the remote holds acknowledged
 	// writes that are not yet durable.
 	acked, flushed atomic.Uint64
 	gap            atomic.Pointer[error]

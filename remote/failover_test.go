@@ -208,3 +208,28 @@ func TestChurn(t *testing.T) {
 		t.Fatalf("flush after losing connections with unflushed writes: %v", err)
 	}
 }
+
+// TestLostTrimsLoseNothing: a trim the remote may have forgotten loses no
+// data (a trimmed range may read back as anything), and a FUA write is
+// durable when acknowledged: neither makes a dropped connection fail later
+// flushes.
+func TestLostTrimsLoseNothing(t *testing.T) {
+	dir := shortDir(t)
+	k := startNbdkit(t, dir, "k", "file", sparseFile(t, dir, "f", 4*mib))
+	d := openURI(t, k.URI(""), testOptions(t))
+	if err := d.Discard(0, mib); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.WriteAtDSync(pattern(4096, 1), mib); err != nil {
+		t.Fatal(err)
+	}
+	k.Kill()
+	k.Start()
+	nbdtest.Until(t, "the reconnection", func() bool { return d.Stats().State == StateUp && d.Stats().Reconnects > 0 })
+	if st := d.Stats(); st.Lost || st.Unflushed != 0 {
+		t.Fatalf("stats %+v: a trim and a FUA write made the remote dirty", st)
+	}
+	if err := d.Sync(); err != nil {
+		t.Fatalf("flush after losing only a trim and a FUA write: %v", err)
+	}
+}

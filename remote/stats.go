@@ -45,7 +45,8 @@ type Stats struct {
 	RoundTrips       uint64
 	RoundTripSeconds float64
 	LastRoundTrip    time.Duration
-	// Unflushed is how many acknowledged writes no flush has covered yet.
+	// Unflushed is how many acknowledged writes and write-zeroes no flush
+	// has covered yet (trims do not count: a lost trim loses no data).
 	Unflushed uint64
 	// Lost says a connection dropped or was remade with Unflushed > 0:
 	// every flush of the remote fails from then on (LostError says when
