@@ -137,7 +137,7 @@ func (cn *conn) readLoop() {
 	cn.mu.Unlock()
 	cn.d.lost(cn, cause)
 	for _, c := range left {
-		cn.finish(c, errDown)
+		cn.finish(c, errDown, false)
 	}
 	close(cn.gone)
 }
@@ -150,22 +150,21 @@ func (cn *conn) replies() (err error) {
 			return err
 		}
 		if last {
-			cn.mu.Lock()
-			delete(cn.calls, c.req.Handle)
-			cn.mu.Unlock()
-			cn.finish(c, nil)
+			cn.finish(c, nil, true)
 		}
 	}
 }
 
-// finish hands c back to its caller. The device's view of what the remote
+// finish hands c back to its caller, taking it out of the calls in flight
+// first if it is still there (registered). Until then it stays in them, so
+// that if anything here panics (an Observe hook), the reader's cleanup
+// still finishes it, with errDown. The device's view of what the remote
 // acknowledged changes here, on the reader, before the caller is woken and
 // before a later loss of this connection is reported: a write (or
 // write-zeroes) without FUA counts as acknowledged and unflushed from its
 // reply on; a flush's reply covers every write acknowledged before it was
 // sent.
-func (cn *conn) finish(c *call, err error) {
-	cn.inflight.Add(-1)
+func (cn *conn) finish(c *call, err error, registered bool) {
 	d := cn.d
 	if err == nil {
 		switch {
@@ -181,6 +180,12 @@ func (cn *conn) finish(c *call, err error) {
 		}
 		d.roundTrip(c.req.Type, time.Since(c.sent))
 	}
+	if registered {
+		cn.mu.Lock()
+		delete(cn.calls, c.req.Handle)
+		cn.mu.Unlock()
+	}
+	cn.inflight.Add(-1)
 	c.err = err
 	c.done <- struct{}{}
 }

@@ -194,12 +194,7 @@ func Open(name string, u URI, readOnly bool, opts Options) (*Device, error) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			cn, err := d.dial()
-			if err == nil {
-				if err = d.same(cn.x); err != nil {
-					cn.nc.Close()
-				}
-			}
+			cn, err := d.redial()
 			if err != nil {
 				d.st.dialErrors.Add(1)
 				d.setErr(err)

@@ -3,6 +3,7 @@ package remote
 import (
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -231,5 +232,34 @@ func TestLostTrimsLoseNothing(t *testing.T) {
 	}
 	if err := d.Sync(); err != nil {
 		t.Fatalf("flush after losing only a trim and a FUA write: %v", err)
+	}
+}
+
+// TestPanicOnReaderContained: a panic on a connection's reader (here from
+// an Observe hook that panics once) ends that connection only: it is
+// reported, the request it was finishing is sent again, and the device
+// goes on.
+func TestPanicOnReaderContained(t *testing.T) {
+	dir := shortDir(t)
+	k := startNbdkit(t, dir, "k", "file", sparseFile(t, dir, "f", 4*mib))
+	opts := testOptions(t)
+	var panics atomic.Int32
+	opts.OnPanic = func(v any, stack []byte) { panics.Add(1) }
+	opts.Connections = 1
+	d := openURI(t, k.URI(""), opts)
+	var once atomic.Bool
+	hook := func(device, op string, _ time.Duration) {
+		if !once.Swap(true) {
+			panic("observer bug")
+		}
+	}
+	d.observe.Store(&hook)
+	if _, err := d.WriteAt(pattern(4096, 7), 0); err != nil {
+		t.Fatalf("write across a panicking reader: %v", err)
+	}
+	readBack(t, d, 0, pattern(4096, 7))
+	st := d.Stats()
+	if panics.Load() != 1 || st.Drops != 1 || st.Retries != 1 || st.Reconnects != 1 {
+		t.Fatalf("%d panics, stats %+v: want 1 panic, 1 drop, 1 retry, 1 reconnection", panics.Load(), st)
 	}
 }
