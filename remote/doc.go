@@ -52,14 +52,20 @@
 // go on once the remote is back; flushes of it do not come back until the
 // server restarts, because no later flush could vouch for those writes.
 //
-//	writes    w1 w2            w3 (retried on the new connection)
-//	acked      1  2                3
-//	flushes          F1 ok                   F2 fails, and every later one
-//	flushed    0     2                        2
-//	conn      [== up ====== X drop ~ backoff ~ [== up ===
-//	                        acked 2 = flushed 2: clean, no loss
+//	writes    w1 w2                  w3 (waits, then goes on the new connection)
+//	acked      1  2                      3
+//	flushes          F (covers 2)                 F ok
+//	flushed    0     2                            3
+//	conn      [===== up ====X drop ~~ backoff ~~ [===== up =====
+//	                         acked 2 = flushed 2: nothing unflushed, nothing lost
+//
 //	writes    w1 w2 w3 w4
-//	conn      [== up ==========X drop            acked 4 > flushed 2: lost
+//	conn      [===== up ====X drop ~~ backoff ~~ [===== up =====
+//	                         acked 4 > flushed 0: every later flush fails
+//
+// Writes and write-zeroes count as unflushed until a flush covers them;
+// trims (a trimmed range may read back as anything) and FUA writes
+// (durable when acknowledged) do not.
 //
 // Every goroutine that touches the network (each connection's reader and
 // watchdog, each slot's reconnection loop, the goroutines that send the
