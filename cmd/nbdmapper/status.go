@@ -18,11 +18,11 @@ import (
 // listener: `NAME: <start> <length> <target> <status or args>`. /status
 // also has one line for each failed backing device of an export, after its
 // table's lines: `NAME: failed <device>: <first error>` (see failedLines).
-func statusRoutes(exports []*nbdtarget.Export, f *flush.Engine) map[string]http.Handler {
+func statusRoutes(exports func() []*nbdtarget.Export, f *flush.Engine) map[string]http.Handler {
 	page := func(lines func(*nbdtarget.Export) string) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-			for _, x := range exports {
+			for _, x := range exports() {
 				for _, line := range strings.SplitAfter(lines(x), "\n") {
 					if line != "" {
 						fmt.Fprintf(w, "%s: %s", x.Name, line)
