@@ -1,7 +1,9 @@
 package nbdtarget
 
 import (
+	"fmt"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -117,4 +119,36 @@ func opener(t *testing.T, g *gateDev) func() {
 	open := func() { once.Do(func() { close(g.release) }) }
 	t.Cleanup(open)
 	return open
+}
+
+// OnActive follows the connections in transmission, in order: a client
+// that never gets past the handshake does not count.
+func TestOnActive(t *testing.T) {
+	var mu sync.Mutex
+	var seen []int
+	srv := &Server{OnActive: func(n int) { mu.Lock(); seen = append(seen, n); mu.Unlock() }}
+	f := newTFix(t, srv)
+	got := func(want ...int) {
+		t.Helper()
+		nbdtest.Until(t, "OnActive calls to be "+fmt.Sprint(want), func() bool {
+			mu.Lock()
+			defer mu.Unlock()
+			return slices.Equal(seen, want)
+		})
+	}
+	a, b := dialRaw(t, f.sock), dialRaw(t, f.sock)
+	a.connect("t", false, false)
+	got(1)
+	bad := dialRaw(t, f.sock)
+	bad.greet(3)
+	bad.option(1, []byte("no such export")) // EXPORT_NAME: the server hangs up
+	if !bad.closed() {
+		t.Fatal("EXPORT_NAME of an unknown export left the connection open")
+	}
+	b.connect("ro", false, false)
+	got(1, 2)
+	a.nc.Close()
+	got(1, 2, 1)
+	b.request(cmdDisc, 0, 0, 0, 0, nil)
+	got(1, 2, 1, 0)
 }

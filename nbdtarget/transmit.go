@@ -119,6 +119,7 @@ func (c *conn) serve() {
 	c.st.conns.Add(1)
 	c.srv.mu.Unlock()
 	c.st.connsTotal.Add(1)
+	c.srv.activeChanged(1)
 	defer c.left()
 	c.log = c.log.With("export", x.Name)
 	c.log.Debug("nbd transmission", "structured", c.structured, "meta", c.meta)
@@ -129,6 +130,7 @@ func (c *conn) serve() {
 // that waits for the last one.
 func (c *conn) left() {
 	c.st.conns.Add(-1)
+	c.srv.activeChanged(-1)
 	if c.x.removed.Load() {
 		c.srv.mu.Lock()
 		c.srv.connGone.Broadcast()

@@ -34,7 +34,7 @@ const usage = `usage:
                   [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
-                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [NAME=TABLE_FILE ...]
+                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [--procs N|auto] [NAME=TABLE_FILE ...]
   nbdmapper create NAME TABLE_FILE | remove [--force] NAME   [--control PATH]
   nbdmapper reload NAME TABLE_FILE | suspend NAME | resume NAME | clear NAME   [--control PATH]
   nbdmapper table [--inactive] NAME | info NAME | ls | message NAME SECTOR TEXT   [--control PATH]
@@ -141,6 +141,8 @@ func runServe(args []string) error {
 	df.register(fs)
 	var lf limitFlags
 	lf.register(fs)
+	var procs procsFlag
+	procs.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -170,6 +172,7 @@ func runServe(args []string) error {
 	// counted like any other.
 	srv := &nbdtarget.Server{Logger: log}
 	lf.apply(srv)
+	procs.apply(srv)
 	flusher := flush.New()
 	discarder := discard.New()
 	flusher.OnPanic, discarder.OnPanic = srv.Panicked, srv.Panicked
