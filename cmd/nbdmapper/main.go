@@ -34,7 +34,7 @@ const usage = `usage:
                   [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
-                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR]
+                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [--procs N|auto]
                   [--remote-connections N] [--remote-timeout D] [--remote-backoff-max D] [--remote-queue-depth N]
                   [NAME=TABLE_FILE ...]
   nbdmapper create NAME TABLE_FILE | remove [--force] NAME   [--control PATH]
@@ -161,6 +161,8 @@ func runServe(args []string) error {
 	df.register(fs)
 	var lf limitFlags
 	lf.register(fs)
+	var procs procsFlag
+	procs.register(fs)
 	var rf remoteFlags
 	rf.register(fs)
 	if err := fs.Parse(args); err != nil {
@@ -195,6 +197,7 @@ func runServe(args []string) error {
 	// counted like any other.
 	srv := &nbdtarget.Server{Logger: log}
 	lf.apply(srv)
+	procs.apply(srv)
 	flusher := flush.New()
 	discarder := discard.New()
 	flusher.OnPanic, discarder.OnPanic = srv.Panicked, srv.Panicked
@@ -241,18 +244,16 @@ func runServe(args []string) error {
 	if err != nil {
 		return err
 	}
-	if certs != nil {
-		defer reloadOnHUP(certs, log)()
-	}
-	listeners, metricsListener, err := serveListeners(sf)
+	ls, err := serveListeners(sf)
 	if err != nil {
 		return err
 	}
 	explicit := false
 	fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "control" })
-	stopControl, err := startControl(sf.control, explicit, log, devs, pool, srv, func(name string, t *table.Table) (*mapped.Device, error) {
+	ctl, stopControl, err := startControl(sf.control, explicit, ls.control, log, devs, pool, srv, func(name string, t *table.Table) (*mapped.Device, error) {
 		d := newDevice(name, t)
-		if err := srv.AddExport(&nbdtarget.Export{Name: name, Dev: d, ReadOnly: sf.readOnly}); err != nil {
+		x := &nbdtarget.Export{Name: name, Description: lf.descriptions[name], Dev: d, ReadOnly: sf.readOnly}
+		if err := srv.AddExport(x); err != nil {
 			return nil, err
 		}
 		log.Info("export", "name", name, "bytes", d.Size(), "segments", len(t.Lines))
@@ -262,18 +263,29 @@ func runServe(args []string) error {
 		return err
 	}
 	defer stopControl()
-	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, metricsListener, log, srv, flusher, discarder, remotes, statusRoutes(exports, flusher, remotes))
+	var onHUP []func()
+	if certs != nil {
+		onHUP = append(onHUP, func() { reloadCerts(certs, log) })
+	}
+	if sf.tables != "" {
+		td := newTablesDir(sf.tables, defs, ctl, log)
+		onHUP = append(onHUP, td.rescan)
+	}
+	if len(onHUP) > 0 {
+		defer handleHUP(onHUP)()
+	}
+	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, ls.metrics, log, srv, flusher, discarder, remotes, statusRoutes(srv.ExportList, flusher, remotes))
 	if err != nil {
 		return err
 	}
 	defer stopMetrics()
-	errc := make(chan error, len(listeners))
-	for _, l := range listeners {
+	errc := make(chan error, len(ls.nbd))
+	for _, l := range ls.nbd {
 		log.Info("listening", "addr", l.Addr().String())
 		go func() { errc <- srv.Serve(l) }()
 	}
 	if demo {
-		printDemoHelp(os.Stdout, listeners[0].Addr(), exports[0], defs[0].File)
+		printDemoHelp(os.Stdout, ls.nbd[0].Addr(), exports[0], defs[0].File)
 	}
 	systemd := notifyReady(log, srv)
 
@@ -298,6 +310,28 @@ func runServe(args []string) error {
 	logStats(log, flusher, discarder)
 	logRemoteStats(log, remotes)
 	return failed
+}
+
+// handleHUP runs every action on each SIGHUP, in order, until stop is
+// called. Without it SIGHUP would end serve, as it ends any program that
+// does not handle it.
+func handleHUP(actions []func()) (stop func()) {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-hup:
+				for _, act := range actions {
+					act()
+				}
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() { signal.Stop(hup); close(done) }
 }
 
 func startCPUProfile(path string) (stop func(), err error) {

@@ -21,11 +21,11 @@ import (
 // table's lines: `NAME: failed <device>: <first error>` (see failedLines),
 // and one per remote export its table uses: `NAME: remote <URI>: up
 // connections 4/4 ...` (see remoteLines).
-func statusRoutes(exports []*nbdtarget.Export, f *flush.Engine, r *remote.Scheme) map[string]http.Handler {
+func statusRoutes(exports func() []*nbdtarget.Export, f *flush.Engine, r *remote.Scheme) map[string]http.Handler {
 	page := func(lines func(*nbdtarget.Export) string) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-			for _, x := range exports {
+			for _, x := range exports() {
 				for _, line := range strings.SplitAfter(lines(x), "\n") {
 					if line != "" {
 						fmt.Fprintf(w, "%s: %s", x.Name, line)
