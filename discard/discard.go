@@ -470,7 +470,15 @@ func (e *Engine) Zero(exts []Extent, mayPunch, fast bool) error {
 
 func (e *Engine) zero(st *device, r backing.Range, punch int, fast bool) error {
 	err := backing.ErrNotSupported
-	if !st.noZero[punch].Load() {
+	fz, refuses := st.dev.(backing.FastZeroer)
+	switch {
+	case st.noZero[punch].Load():
+	case fast && refuses:
+		// The device says per call whether zeroing is fast (an NBD
+		// export passing FAST_ZERO on): a refusal fails this request
+		// only, and says nothing of zeroing without FAST_ZERO.
+		err = e.call(st, "zero", func() error { return fz.ZeroFast(r.Off, r.Len, punch == 1) })
+	default:
 		err = e.call(st, "zero", func() error { return st.dev.Zero(r.Off, r.Len, punch == 1) })
 		if errors.Is(err, backing.ErrNotSupported) {
 			st.noZero[punch].Store(true)
