@@ -2,8 +2,10 @@ package backing
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
@@ -128,4 +130,66 @@ func equalRanges(a, b []Range) bool {
 		}
 	}
 	return true
+}
+
+// memScheme opens "mem://NAME" names as in-memory devices; a name's
+// identity ignores case, as a URI scheme's and host's do.
+type memScheme struct{ opens int }
+
+func (s *memScheme) Identify(name string) (ID, bool, error) {
+	rest, ok := strings.CutPrefix(strings.ToLower(name), "mem://")
+	if !ok {
+		return ID{}, false, nil
+	}
+	if rest == "" {
+		return ID{}, true, errors.New("mem:// needs a name")
+	}
+	return ID{URI: "mem://" + rest}, true, nil
+}
+
+func (s *memScheme) Open(name string, readOnly bool) (Device, error) {
+	s.opens++
+	return NewMem(name, 1<<20), nil
+}
+
+// TestPoolSchemes: names a Scheme claims are opened by it, once per
+// identity however they are spelled; a claimed but malformed name is its
+// error; other names are still paths.
+func TestPoolSchemes(t *testing.T) {
+	s := &memScheme{}
+	wraps := 0
+	p := &Pool{Schemes: []Scheme{s}, Wrap: func(d Device) Device { wraps++; return d }}
+	defer p.Close()
+	a, err := p.Open("mem://disk")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := p.Open("MEM://DISK")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a != b || s.opens != 1 || wraps != 1 {
+		t.Fatalf("two spellings: same device %v, %d opens, %d wraps; want one of each", a == b, s.opens, wraps)
+	}
+	if a.Name() != "mem://disk" {
+		t.Errorf("name %q, want the first spelling", a.Name())
+	}
+	if _, err := p.Open("mem://"); err == nil || !strings.Contains(err.Error(), "needs a name") {
+		t.Fatalf("malformed name: %v", err)
+	}
+	f, err := p.Open(sparseFile(t, 1<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h, ok := f.(*HoleMap); !ok || len(p.Devices()) != 2 {
+		t.Fatalf("a path beside a scheme: %T, %d devices", f, len(p.Devices()))
+	} else if _, ok := h.Unwrap().(*File); !ok {
+		t.Fatalf("a path beside a scheme: a hole map over %T", h.Unwrap())
+	}
+	if id := a.(*Mem).ID(); id.String() == "" {
+		t.Fatal("empty ID string")
+	}
+	if got := (ID{URI: "nbd://h:10809/e"}).String(); got != "nbd://h:10809/e" {
+		t.Errorf("a remote ID prints as %q", got)
+	}
 }

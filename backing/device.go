@@ -13,15 +13,20 @@ import (
 var ErrNotSupported = errors.New("operation not supported by device")
 
 // ID identifies an underlying file or block device, independent of the path
-// used to reach it: (st_dev, st_ino) for files, st_rdev for block devices.
+// used to reach it: (st_dev, st_ino) for files, st_rdev for block devices,
+// the normalized URI for an export of another NBD server (package remote).
 // Two paths to the same file or device have equal IDs.
 type ID struct {
 	Block bool   // a block device: Dev is st_rdev and Ino is 0
 	Dev   uint64 // st_dev for files, st_rdev for block devices
 	Ino   uint64 // st_ino for files
+	URI   string // a remote export: its normalized URI; Dev and Ino are 0
 }
 
 func (id ID) String() string {
+	if id.URI != "" {
+		return id.URI
+	}
 	if id.Block {
 		return fmt.Sprintf("blk:%d:%d", major(id.Dev), minor(id.Dev))
 	}
@@ -79,4 +84,15 @@ type Device interface {
 	Limits() Limits
 
 	Close() error
+}
+
+// FastZeroer is implemented by devices whose Zero is native but not always
+// fast, and which can tell in advance when it would not be: an export of
+// another NBD server that advertises FAST_ZERO. ZeroFast zeroes
+// [off, off+n) like Zero only where that is fast, and otherwise fails with
+// ErrNotSupported, so that an NBD FAST_ZERO request can fail at once
+// instead of waiting for zeros to be written. Such a device's Zero never
+// returns ErrNotSupported for slowness.
+type FastZeroer interface {
+	ZeroFast(off, n int64, mayPunch bool) error
 }

@@ -10,15 +10,21 @@ import (
 )
 
 // Pool opens each distinct underlying device once. Tables ask it for devices
-// by the name they were given (a path or major:minor); two names for the same
-// file or block device return the same Device, so that every engine above
-// sees one Device per disk.
+// by the name they were given (a path, major:minor, or a name one of its
+// Schemes knows, such as an NBD URI); two names for the same file, block
+// device or remote export return the same Device, so that every engine
+// above sees one Device per disk.
 type Pool struct {
 	// ReadOnly opens devices for reading only.
 	ReadOnly bool
 	// Wrap, if set, wraps each device once when it is first opened (the
 	// flush engine's dirty tracking, a fault injector in tests).
 	Wrap func(Device) Device
+	// Schemes open the device names that are not paths. Each is asked in
+	// turn whether a name is its own; names none claims are paths. Set
+	// them before the first Open. (cmd/nbdmapper installs package
+	// remote's, for NBD URIs: backing itself knows no network.)
+	Schemes []Scheme
 	// NoHoleMap opens regular files without a HoleMap in front: reads then
 	// read holes like data, and every block status asks the file system.
 	// By default Open puts one in front of each regular file, under Wrap,
@@ -32,6 +38,19 @@ type Pool struct {
 	order  []Device
 }
 
+// Scheme opens devices that are named by something other than a path: an
+// export of another NBD server, named by its URI. Identify must tell two
+// names of one device apart without opening either, so that the Pool opens
+// each device once however many names reach it.
+type Scheme interface {
+	// Identify says whether name is this scheme's and, if so, the ID of
+	// the device it names. A name that is the scheme's but malformed is
+	// an error.
+	Identify(name string) (id ID, ok bool, err error)
+	// Open opens the device name names, for reading only with readOnly.
+	Open(name string, readOnly bool) (Device, error)
+}
+
 // Open returns the device name refers to, opening it on first use.
 func (p *Pool) Open(name string) (Device, error) {
 	p.mu.Lock()
@@ -39,19 +58,18 @@ func (p *Pool) Open(name string) (Device, error) {
 	if d, ok := p.byName[name]; ok {
 		return d, nil
 	}
-	path, _ := resolve(name)
-	id, err := statID(path)
+	id, open, err := p.identify(name)
 	if err != nil {
 		return nil, err
 	}
 	d, ok := p.byID[id]
 	if !ok {
-		f, err := OpenFile(path, p.ReadOnly)
+		inner, err := open()
 		if err != nil {
 			return nil, err
 		}
-		d = f
-		if !f.block && !p.NoHoleMap {
+		d = inner
+		if f, ok := inner.(*File); ok && !f.block && !p.NoHoleMap {
 			d = NewHoleMap(f)
 		}
 		if p.Wrap != nil {
@@ -83,6 +101,32 @@ func (p *Pool) Add(name string, d Device) Device {
 	}
 	p.byName[name] = d
 	return d
+}
+
+// identify finds the ID of the device name names and how to open it: by
+// the first Scheme that claims the name, or as a path.
+func (p *Pool) identify(name string) (ID, func() (Device, error), error) {
+	for _, s := range p.Schemes {
+		id, ok, err := s.Identify(name)
+		if err != nil {
+			return ID{}, nil, err
+		}
+		if ok {
+			return id, func() (Device, error) { return s.Open(name, p.ReadOnly) }, nil
+		}
+	}
+	path, _ := resolve(name)
+	id, err := statID(path)
+	if err != nil {
+		return ID{}, nil, err
+	}
+	return id, func() (Device, error) {
+		f, err := OpenFile(path, p.ReadOnly)
+		if err != nil {
+			return nil, err
+		}
+		return f, nil
+	}, nil
 }
 
 func (p *Pool) add(id ID, d Device) {

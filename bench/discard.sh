@@ -11,8 +11,10 @@
 #   one TRIM            the whole device in a single request (like blkdiscard)
 # Servers:
 #   baseline            --discard-baseline: every mapped range at once, in order
-#   window 0            sort and merge within each request only
-#   window 1ms          the default: trims arriving within 1 ms are batched
+#   per request         sort and merge within each request only
+#   window 1ms          trims arriving within 1 ms of a batch's first are batched
+#   group commit        the default: trims arriving while others are issued
+#                       are batched
 #
 # Calls reaching the files come from the server's "discard stats" log line
 # and are cross-checked against fallocate(2) calls counted by strace when
@@ -55,8 +57,9 @@ workloads=(
 # name | serve flags
 servers=(
 	"baseline (each range at once)|--discard-baseline"
-	"window 0 (per request)|--discard-window=0"
-	"window 1ms (default)|--discard-window=1ms"
+	"per request|--discard-per-request"
+	"window 1ms|--discard-window=1ms"
+	"group commit (default)|"
 )
 
 : >"$out/runs"

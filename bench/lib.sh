@@ -8,6 +8,8 @@
 #                              $NBDMAPPER_BIN if set, else built from this checkout.
 #   wait_socket SOCK PID LOG   waits until the server PID listens on SOCK;
 #                              if it exits first, prints LOG and fails.
+#   bench_machine              prints the machine, tools and load average.
+#   cpu_ticks PID              prints PID's user + system CPU in clock ticks.
 
 bench_setup() {
 	local name=$1 tool
@@ -39,4 +41,21 @@ wait_socket() {
 		fi
 		sleep 0.05
 	done
+}
+
+# bench_machine: the machine a run measures, as markdown lines.
+bench_machine() {
+	echo "machine: $(nproc) CPUs ($(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1))," \
+		"$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 2^20}' /proc/meminfo), Linux $(uname -r)," \
+		"backing files on $(df --output=fstype "${work:-.}" | tail -1)"
+	echo "tools: $(fio --version), nbdkit $(nbdkit --version 2>/dev/null | cut -d' ' -f2)," \
+		"qemu-nbd $(qemu-nbd --version | head -1 | cut -d' ' -f2), $(go version | cut -d' ' -f3)"
+	echo "load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
+}
+
+# cpu_ticks PID: the user + system CPU time PID has used, in clock ticks.
+cpu_ticks() {
+	# Fields 14 and 15 of /proc/PID/stat, counted after the command name,
+	# which is in parentheses and may contain spaces.
+	sed 's/.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
 }

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Serves one backing file through nbdmapper, nbdkit (file plugin) and qemu-nbd
+# Serves a backing file through nbdmapper, nbdkit (file plugin) and qemu-nbd
 # and runs the same fio nbd-engine workloads against each, in one run, so the
 # ratios are measured under the same machine load.
 #
-#   bench/peers.sh [SIZE_MIB] [RUNTIME_S] [ROUNDS] [SETS]
+#   bench/peers.sh [SIZE_MIB] [RUNTIME_S] [ROUNDS] [SETS] [STATES]
 #
 # SETS is "plain tls" by default. plain: each peer on a unix socket. tls:
 # each peer on loopback TCP with NBD_OPT_STARTTLS required and client
@@ -14,54 +14,76 @@
 # certificate in libnbd's default directory: $HOME/.pki/libnbd for a fresh
 # HOME, running as nobody when run as root (root's is /etc/pki/libnbd).
 #
-# Peers take turns within each round, starting one later each round, so a
-# burst of load from elsewhere touches all of them. Prints a markdown table
-# per set: each peer's median figure (IOPS, or MiB/s for 1M rows), the
-# spread (min-max over the rounds) and nbdmapper's ratio to the best peer.
-# Results land in bench/results/.
+# STATES is "written sparse" by default: the state of the file each peer
+# starts from. written: every byte written (a copy of one random file made
+# at the start); sparse: a fresh file with no blocks at all, as a new VM
+# image is. Every peer gets its own fresh file in each state in each round,
+# so none inherits another's writes or trims. Reads run first, then writes,
+# then trims, so the read rows of a sparse file read holes.
 #
-# Environment:
-#   FILL=written|sparse  the backing file: fully written (default), or a
-#                        fresh sparse file with nothing allocated
-#   ROWS="0 5"           run only these workloads (indices in the list below)
-#   PEERS="..."          the peers, in first-round order (default: nbdmapper
-#                        nbdkit qemu-nbd); nbdmapper-nomap is nbdmapper with
-#                        --hole-map=false, the same binary without sparse reads
-#   PROFILE=1            nbdmapper writes a CPU profile per round to
-#                        bench/results/.../nbdmapper-ROUND.prof (the binary
-#                        is kept beside them for go tool pprof)
+# The order of the peers rotates every round, so a burst of load from
+# elsewhere, or the page cache one peer leaves behind, touches each of them
+# in turn. Besides each row's figure, the server's CPU time (user + system,
+# from /proc/PID/stat) over the row's run is divided by the requests fio
+# completed: CPU seconds per million requests. Prints the machine, then a
+# markdown table per set and state: each peer's median figure (IOPS, or
+# MiB/s for 1M rows), its median CPU per request, and nbdmapper's ratios to
+# the best other peer (throughput: higher is better; CPU: lower is better).
+#
+# PROFILE=1 also writes a Go CPU profile of each nbdmapper run to
+# bench/results/.../nbdmapper-SET-STATE-ROUND.pprof.
+#
+# PEERS="..." picks the peers (default: nbdmapper nbdkit qemu-nbd); the
+# peer nbdmapper-nomap is the same binary with --hole-map=false, which reads
+# holes as data, as before sparse reads (a baseline for them in the same
+# run). ROWS="0 1" runs only those workloads (indices in the list below).
+# Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size_mib=${1:-1024}
 runtime=${2:-10}
 rounds=${3:-3}
 sets=${4:-plain tls}
+states=${5:-written sparse}
 
 . bench/lib.sh
 bench_setup peers fio nbdkit qemu-nbd python3 go openssl
-disk=$work/disk.img
-fill=${FILL:-written}
-case $fill in
-written)
-	# A fully allocated file, so no peer pays for allocating holes during the run.
-	fallocate -l "${size_mib}M" "$disk"
-	dd if=/dev/urandom of="$disk" bs=1M count="$size_mib" conv=notrunc status=none
-	;;
-sparse) truncate -s "${size_mib}M" "$disk" ;;
-*)
-	echo "bench/peers.sh: FILL must be written or sparse" >&2
-	exit 1
-	;;
-esac
+bench_machine | tee "$out/machine.md"
+template=$work/written.img
+if [[ " $states " == *" written "* ]]; then
+	dd if=/dev/urandom of="$template" bs=1M count="$size_mib" status=none
+fi
 sectors=$((size_mib * 2048))
-echo "0 $sectors linear $disk 0" >"$work/one.table"
 
-start_peer() { # name socket
-	local name=$1 sock=$2
+# fresh_disk STATE PEER: a new backing file for PEER in STATE; prints its path.
+fresh_disk() {
+	local disk=$work/$2.img
+	rm -f "$disk"
+	case $1 in
+	written) cp "$template" "$disk" ;;
+	sparse) truncate -s "${size_mib}M" "$disk" ;;
+	esac
+	echo "$disk"
+}
+
+# profile_flag SET STATE ROUND: nbdmapper's --cpuprofile, when PROFILE=1.
+profile_flag() {
+	[ "${PROFILE:-0}" = 1 ] && echo "--cpuprofile=$PWD/$out/nbdmapper-$1-$2-$3.pprof"
+	return 0
+}
+
+# map_flag PEER: nbdmapper's --hole-map for PEER.
+map_flag() {
+	if [ "$1" = nbdmapper-nomap ]; then echo --hole-map=false; else echo --hole-map=true; fi
+}
+
+start_peer() { # name socket disk profile-flag
+	local name=$1 sock=$2 disk=$3
 	case $name in
-	nbdmapper) "$work/nbdmapper" serve --metrics off --control off ${PROFILE:+--cpuprofile "$out/$name-$round.prof"} \
-		--socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
-	nbdmapper-nomap) "$work/nbdmapper" serve --metrics off --control off --hole-map=false --socket "$sock" "bench=$work/one.table" 2>"$out/$name.log" & ;;
+	nbdmapper | nbdmapper-nomap)
+		echo "0 $sectors linear $disk 0" >"$work/bench.table"
+		"$work/nbdmapper" serve --metrics off --socket "$sock" "$(map_flag "$name")" $4 "bench=$work/bench.table" 2>"$out/$name.log" &
+		;;
 	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
 		--cache writeback --aio threads "$disk" 2>"$out/$name.log" & ;;
@@ -91,17 +113,16 @@ make_pki() {
 	done
 }
 
-# start_tls_peer NAME PORT: the peer on 127.0.0.1:PORT requiring TLS with
-# a client certificate.
+# start_tls_peer NAME PORT DISK PROFILE-FLAG: the peer on 127.0.0.1:PORT
+# requiring TLS with a client certificate.
 start_tls_peer() {
-	local name=$1 port=$2 p=$work/pki
+	local name=$1 port=$2 disk=$3 p=$work/pki
 	case $name in
 	nbdmapper | nbdmapper-nomap)
-		local map=true
-		[ "$name" = nbdmapper ] || map=false
-		"$work/nbdmapper" serve --metrics off --control off --hole-map=$map --listen "127.0.0.1:$port" --tls require \
-			--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" \
-			"bench=$work/one.table" 2>"$out/$name-tls.log" &
+		echo "0 $sectors linear $disk 0" >"$work/bench.table"
+		"$work/nbdmapper" serve --metrics off --listen "127.0.0.1:$port" "$(map_flag "$name")" --tls require \
+			--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" $4 \
+			"bench=$work/bench.table" 2>"$out/$name-tls.log" &
 		;;
 	nbdkit) nbdkit --foreground --ipaddr 127.0.0.1 --port "$port" --tls=require --tls-certificates "$p" \
 		--tls-verify-peer --exportname bench file "$disk" 2>"$out/$name-tls.log" & ;;
@@ -139,88 +160,102 @@ fio_tls() {
 	fi
 }
 
-# name | fio args
+# name | fio args. Reads before writes before trims (see the header).
 workloads=(
 	"4k randread qd32|--rw=randread --bs=4k --iodepth=32"
-	"4k randwrite qd32|--rw=randwrite --bs=4k --iodepth=32"
+	"4k randread 4 conns|--rw=randread --bs=4k --iodepth=8 --numjobs=4"
 	"1M read qd8|--rw=read --bs=1M --iodepth=8"
+	"4k randwrite qd32|--rw=randwrite --bs=4k --iodepth=32"
 	"1M write qd8|--rw=write --bs=1M --iodepth=8"
 	"4k randwrite fsync=1|--rw=randwrite --bs=4k --iodepth=1 --fsync=1"
-	"4k randread 4 conns|--rw=randread --bs=4k --iodepth=8 --numjobs=4"
+	"1M trim qd8|--rw=trim --bs=1M --iodepth=8"
 )
 read -r -a peers <<<"${PEERS:-nbdmapper nbdkit qemu-nbd}"
-[ -z "${PROFILE:-}" ] || cp "$work/nbdmapper" "$out/nbdmapper"
 read -r -a rows <<<"${ROWS:-${!workloads[*]}}"
 [[ " $sets " != *" tls "* ]] || make_pki "$work/pki"
 port=$((20000 + RANDOM % 20000))
 
 for round in $(seq "$rounds"); do
+	# Rotate: round 1 starts with nbdmapper, round 2 with nbdkit, ...
+	order=("${peers[@]:$(((round - 1) % ${#peers[@]}))}" "${peers[@]:0:$(((round - 1) % ${#peers[@]}))}")
 	for set in $sets; do
-		for k in "${!peers[@]}"; do
-			peer=${peers[$(((k + round - 1) % ${#peers[@]}))]}
-			if [ "$set" = tls ]; then
-				port=$((port + 1))
-				start_tls_peer "$peer" "$port"
-				uri="nbds://127.0.0.1:$port/bench"
-				run=fio_tls
-			else
-				sock=$work/$peer.sock
-				rm -f "$sock"
-				start_peer "$peer" "$sock"
-				uri="nbd+unix:///bench?socket=$sock"
-				run=fio
-			fi
-			for i in "${rows[@]}"; do
-				args=${workloads[$i]#*|}
-				# shellcheck disable=SC2086
-				$run --name=w$i --ioengine=nbd "--uri=$uri" $args \
-					--size="${size_mib}M" --time_based --runtime="$runtime" --ramp_time=1 \
-					--group_reporting --output-format=json >"$out/$set-$peer-$i-$round.json"
+		for state in $states; do
+			for peer in "${order[@]}"; do
+				disk=$(fresh_disk "$state" "$peer")
+				prof=""
+				[ "$peer" = nbdmapper ] && prof=$(profile_flag "$set" "$state" "$round")
+				if [ "$set" = tls ]; then
+					port=$((port + 1))
+					start_tls_peer "$peer" "$port" "$disk" "$prof"
+					uri="nbds://127.0.0.1:$port/bench"
+					run=fio_tls
+				else
+					sock=$work/$peer.sock
+					rm -f "$sock"
+					start_peer "$peer" "$sock" "$disk" "$prof"
+					uri="nbd+unix:///bench?socket=$sock"
+					run=fio
+				fi
+				for i in "${rows[@]}"; do
+					args=${workloads[$i]#*|}
+					base=$out/$set-$state-$peer-$i-$round
+					cpu_ticks "$peer_pid" >"$base.cpu0"
+					# shellcheck disable=SC2086
+					$run --name=w$i --ioengine=nbd "--uri=$uri" $args \
+						--size="${size_mib}M" --time_based --runtime="$runtime" \
+						--group_reporting --output-format=json >"$base.json"
+					cpu_ticks "$peer_pid" >"$base.cpu1"
+				done
+				kill -INT "$peer_pid"
+				wait "$peer_pid" || true
+				rm -f "$disk"
 			done
-			kill -INT "$peer_pid"
-			wait "$peer_pid" || true
 		done
 	done
 done
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.md"
 
 printf '%s\n' "${workloads[@]%%|*}" >"$out/names"
 echo "${rows[*]}" >"$out/rows"
-{
-	echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), Linux $(uname -r), $(df -T "$work" | awk 'NR==2 {print $2}') under the files, file $fill"
-	echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
-} | tee "$out/machine"
 for set in $sets; do
-	echo
-	echo "$set:"
-	python3 - "$out" "$rounds" "$set" "${peers[@]}" <<'PY'
+	for state in $states; do
+		echo
+		echo "$set, $state file:"
+		python3 - "$out" "$rounds" "$set" "$state" "$(getconf CLK_TCK)" "${peers[@]}" <<'PY'
 import json, statistics, sys
-out, rounds, set_, peers = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+out, rounds, set_, state, hz, peers = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6:]
 names = open(f"{out}/names").read().splitlines()
 rows = [int(i) for i in open(f"{out}/rows").read().split()]
 
 def one(peer, i, r):
-    text = open(f"{out}/{set_}-{peer}-{i}-{r}.json").read()
+    base = f"{out}/{set_}-{state}-{peer}-{i}-{r}"
+    text = open(f"{base}.json").read()
     job = json.loads(text[text.index("{"):])["jobs"][0]  # fio may print a line before the JSON
-    side = job["read"] if job["read"]["io_bytes"] else job["write"]
-    if names[i].startswith("1M"):
-        return side["bw_bytes"] / 2**20
-    return side["iops"]
+    side = max((job[k] for k in ("read", "write", "trim")), key=lambda s: s["io_bytes"])
+    ios = sum(job[k]["total_ios"] for k in ("read", "write", "trim", "sync"))
+    ticks = int(open(f"{base}.cpu1").read()) - int(open(f"{base}.cpu0").read())
+    cpu = ticks / hz / ios * 1e6 if ios else float("nan")
+    fig = side["bw_bytes"] / 2**20 if names[i].startswith("1M") else side["iops"]
+    return fig, cpu
 
-def figure(peer, i):
-    unit = "MiB/s" if names[i].startswith("1M") else "IOPS"
+def medians(peer, i):
     runs = [one(peer, i, r) for r in range(1, rounds + 1)]
-    return statistics.median(runs), min(runs), max(runs), unit
+    return statistics.median(f for f, _ in runs), statistics.median(c for _, c in runs)
 
-print("| workload | unit | " + " | ".join(f"{p} (min-max)" for p in peers) + " | nbdmapper / best peer |")
-print("|---|---|" + "---|" * len(peers) + "---|")
+print("| workload | unit | " + " | ".join(peers) + " | nbdmapper / best | CPU s per M requests: " + " / ".join(peers) + " | CPU nbdmapper / best |")
+print("|---|---|" + "---|" * len(peers) + "---|---|---|")
 for i in rows:
     name = names[i]
-    vals = {p: figure(p, i) for p in peers}
-    unit = vals[peers[0]][3]
-    others = [vals[p][0] for p in peers if not p.startswith("nbdmapper")]
-    best = max(others) if others else 0
-    ratio = vals["nbdmapper"][0] / best if best and "nbdmapper" in vals else float("nan")
-    cells = " | ".join(f"{v[0]:.0f} ({v[1]:.0f}-{v[2]:.0f})" for v in vals.values())
-    print(f"| {name} | {unit} | {cells} | {ratio:.2f} |")
+    vals = {p: medians(p, i) for p in peers}
+    unit = "MiB/s" if name.startswith("1M") else "IOPS"
+    others = [p for p in peers if not p.startswith("nbdmapper")]
+    best = max(vals[p][0] for p in others)
+    cheapest = min(vals[p][1] for p in others)
+    ratio = vals["nbdmapper"][0] / best if best else float("nan")
+    cpu_ratio = vals["nbdmapper"][1] / cheapest if cheapest else float("nan")
+    cells = " | ".join(f"{vals[p][0]:.0f}" for p in peers)
+    cpus = " / ".join(f"{vals[p][1]:.1f}" for p in peers)
+    print(f"| {name} | {unit} | {cells} | {ratio:.2f} | {cpus} | {cpu_ratio:.2f} |")
 PY
+	done
 done | tee "$out/table.md"

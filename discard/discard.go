@@ -13,7 +13,6 @@ import (
 
 // Defaults New gives an Engine.
 const (
-	DefaultWindow    = time.Millisecond
 	DefaultMaxRanges = 4096
 	DefaultMaxBytes  = 1 << 30
 )
@@ -24,11 +23,17 @@ const (
 //
 // The exported fields may be changed after New, but only before first use.
 type Engine struct {
-	// Window is how long the first trim of a batch waits for others to join
-	// it. 0 issues each trim's own plan at once.
+	// Window, when positive, is how long the first trim of a batch waits
+	// for others to join it. 0, the default, batches by group commit: a
+	// trim that finds no discard in flight is issued at once, and the trims
+	// that arrive while discards are in flight gather into one batch,
+	// issued as soon as those have completed (see the package comment).
 	Window time.Duration
+	// PerRequest issues each trim's own plan at once: sorted and merged
+	// within the request, never batched with others. Benchmark baseline.
+	PerRequest bool
 	// MaxRanges and MaxBytes bound a batch: the trim that reaches either
-	// issues the batch without waiting for the window to end.
+	// issues the batch without waiting any longer.
 	MaxRanges int
 	MaxBytes  int64
 	// Baseline issues every mapped range at once, in arrival order, without
@@ -51,6 +56,7 @@ type Engine struct {
 	order   []*device
 	pending atomic.Bool // batch != nil, or something is in flight: Claim's fast path
 	flying  int         // in-flight device plans, guarded by mu
+	plans   uint64      // device plans ever issued, guarded by mu; numbers them
 }
 
 // device is the engine's state for one backing device.
@@ -71,23 +77,40 @@ type device struct {
 // and is then undone by it.
 type inflight struct {
 	calls []backing.Range // ascending
+	seq   uint64          // the plan's number (Engine.plans)
 	done  chan struct{}
 }
 
-// batch is the trims gathered within one window.
+// batch is the trims gathering to be issued together.
 type batch struct {
 	devs   []*device
 	ranges int
 	bytes  int64
-	timer  *time.Timer
+	timer  *time.Timer // Window > 0: seals the batch
 	sealed bool
 	done   chan struct{}
 	errs   map[*device]error // set before done is closed
+
+	// Group commit (Window 0): the batch is issued once the device plans
+	// that were in flight when it began (those numbered below after) have
+	// completed; turn is closed then, or when the batch is sealed early.
+	after   uint64
+	waiting int // of those plans, how many are still in flight
+	turn    chan struct{}
+	turned  bool
+}
+
+// open closes b.turn once. e.mu must be held.
+func (b *batch) open() {
+	if !b.turned {
+		b.turned = true
+		close(b.turn)
+	}
 }
 
 // New returns an engine with default settings.
 func New() *Engine {
-	return &Engine{Window: DefaultWindow, MaxRanges: DefaultMaxRanges, MaxBytes: DefaultMaxBytes}
+	return &Engine{MaxRanges: DefaultMaxRanges, MaxBytes: DefaultMaxBytes}
 }
 
 func (e *Engine) device(d backing.Device) *device {
@@ -113,17 +136,25 @@ func (e *Engine) Discard(exts []Extent) error {
 	if !slices.ContainsFunc(exts, func(x Extent) bool { return x.Len > 0 }) {
 		return nil
 	}
-	if e.Window <= 0 {
+	if e.PerRequest {
 		return e.DiscardNow(exts)
 	}
 
 	e.mu.Lock()
 	b := e.batch
-	if b == nil {
-		b = &batch{done: make(chan struct{})}
+	lead := b == nil
+	if lead {
+		b = &batch{done: make(chan struct{}), turn: make(chan struct{})}
 		e.batch = b
 		e.pending.Store(true)
-		b.timer = time.AfterFunc(e.Window, func() { e.seal(b) })
+		if e.Window > 0 {
+			b.timer = time.AfterFunc(e.Window, func() { e.seal(b) })
+		} else {
+			b.after, b.waiting = e.plans, e.flying
+			if b.waiting == 0 {
+				b.open() // nothing in flight to wait for: issue it now
+			}
+		}
 	}
 	var mine []*device
 	for _, x := range exts {
@@ -149,7 +180,13 @@ func (e *Engine) Discard(exts []Extent) error {
 	full := b.ranges >= e.MaxRanges || b.bytes >= e.MaxBytes
 	e.mu.Unlock()
 
-	if full {
+	switch {
+	case full:
+		e.seal(b)
+	case lead && e.Window <= 0:
+		// The batch's first trim issues it when its turn comes; the
+		// others wait for it below.
+		<-b.turn
 		e.seal(b)
 	}
 	<-b.done
@@ -177,7 +214,8 @@ func (e *Engine) DiscardNow(exts []Extent) error {
 }
 
 // seal closes batch b to new trims and issues it; the first caller does the
-// work, later ones (the timer after a full batch) return at once.
+// work, later ones (the timer or the first trim, after a full batch) return
+// at once.
 func (e *Engine) seal(b *batch) {
 	e.mu.Lock()
 	if b.sealed {
@@ -185,7 +223,10 @@ func (e *Engine) seal(b *batch) {
 		return
 	}
 	b.sealed = true
-	b.timer.Stop()
+	if b.timer != nil {
+		b.timer.Stop()
+	}
+	b.open() // a first trim still waiting for its turn goes on to done
 	e.batch = nil
 	devs := make([]*pending, len(b.devs))
 	for i, st := range b.devs {
@@ -220,6 +261,8 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 		j := &job{fl: &inflight{calls: dp.Calls, done: make(chan struct{})}}
 		jobs[st] = j
 		if len(dp.Calls) > 0 {
+			j.fl.seq = e.plans
+			e.plans++
 			st.inflight = append(st.inflight, j.fl)
 			e.flying++
 		}
@@ -238,6 +281,7 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 			if len(p.Devices[i].Calls) > 0 {
 				st.inflight = removeInflight(st.inflight, j.fl)
 				e.flying--
+				e.landed(j.fl.seq)
 			}
 			e.pending.Store(e.batch != nil || e.flying > 0)
 			e.mu.Unlock()
@@ -256,6 +300,18 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 		}
 		<-j.fl.done
 		return j.err
+	}
+}
+
+// landed notes that device plan seq has completed: the gathering batch's
+// turn comes when the last plan it waits for lands. e.mu must be held.
+func (e *Engine) landed(seq uint64) {
+	b := e.batch
+	if b == nil || b.timer != nil || seq >= b.after {
+		return
+	}
+	if b.waiting--; b.waiting == 0 {
+		b.open()
 	}
 }
 
@@ -414,7 +470,15 @@ func (e *Engine) Zero(exts []Extent, mayPunch, fast bool) error {
 
 func (e *Engine) zero(st *device, r backing.Range, punch int, fast bool) error {
 	err := backing.ErrNotSupported
-	if !st.noZero[punch].Load() {
+	fz, refuses := st.dev.(backing.FastZeroer)
+	switch {
+	case st.noZero[punch].Load():
+	case fast && refuses:
+		// The device says per call whether zeroing is fast (an NBD
+		// export passing FAST_ZERO on): a refusal fails this request
+		// only, and says nothing of zeroing without FAST_ZERO.
+		err = e.call(st, "zero", func() error { return fz.ZeroFast(r.Off, r.Len, punch == 1) })
+	default:
 		err = e.call(st, "zero", func() error { return st.dev.Zero(r.Off, r.Len, punch == 1) })
 		if errors.Is(err, backing.ErrNotSupported) {
 			st.noZero[punch].Store(true)

@@ -7,8 +7,11 @@
 // send many small trims; issued as they come, the device sees random-order
 // discards of pieces that are often smaller than it can deallocate (mkfs.btrfs
 // became 50x slower this way, discarding once per DUP mirror, alternating
-// between two far-apart offsets). So trims that arrive within a short Window
-// are gathered into one batch, and the batch is planned per device:
+// between two far-apart offsets). So trims are batched by group commit: a
+// trim that finds no discard in flight is issued at once, and the trims that
+// arrive while discards are in flight gather into one batch, issued as soon
+// as the discards it waited for have completed (Engine.Window instead holds
+// each batch open for a fixed time). The batch is planned per device:
 //
 //  1. sort the device's ranges ascending and merge overlapping and adjacent
 //     ones (Merge);

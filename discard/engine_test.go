@@ -101,9 +101,13 @@ func export(t *testing.T, text string, open table.Opener, eng *discard.Engine) *
 	return mapped.New("x", tb, flush.New(), eng)
 }
 
+// engine makes an engine that batches trims within window, or, for window
+// 0, issues each request's trims on their own (PerRequest); group-commit
+// tests set their engines up themselves.
 func engine(window time.Duration, maxRanges int) *discard.Engine {
 	e := discard.New()
 	e.Window = window
+	e.PerRequest = window == 0
 	if maxRanges > 0 {
 		e.MaxRanges = maxRanges
 	}
@@ -143,9 +147,9 @@ func TestWholeDeviceDiscardInterleaved(t *testing.T) {
 		baseline bool
 		want     []backing.Range // on each device, in order
 	}{
-		{name: "files-window", files: true, window: discard.DefaultWindow, want: oneRun},
+		{name: "files-window", files: true, window: time.Millisecond, want: oneRun},
 		{name: "files-no-window", files: true, window: 0, want: oneRun},
-		{name: "mem-window", window: discard.DefaultWindow, want: oneRun},
+		{name: "mem-window", window: time.Millisecond, want: oneRun},
 		{name: "mem-baseline", baseline: true, want: everySeg},
 	}
 	for _, tc := range tests {
@@ -340,23 +344,23 @@ func waitParked(t *testing.T, frame string, give func() bool) (parked bool) {
 	return parked
 }
 
-// gateDev blocks its first Discard until released, and counts the writes
-// that reach it while that discard is held.
+// gateDev blocks its first Discard until released (later ones pass), and
+// counts the writes that reach it while that discard is held.
 type gateDev struct {
 	backing.Device
 	entered, release chan struct{}
-	once             sync.Once
+	first            atomic.Bool
 	held             atomic.Bool
 	writesWhileHeld  atomic.Int32
 }
 
 func (g *gateDev) Discard(off, n int64) error {
-	g.once.Do(func() {
+	if g.first.CompareAndSwap(false, true) {
 		g.held.Store(true)
 		close(g.entered)
 		<-g.release
 		g.held.Store(false)
-	})
+	}
 	return g.Device.Discard(off, n)
 }
 
@@ -636,5 +640,74 @@ func TestObserve(t *testing.T) {
 		if seen[k] != n {
 			t.Errorf("Observe saw %q %d times, want %d (all: %v)", k, seen[k], n, seen)
 		}
+	}
+}
+
+// fastZero can refuse slow zeroing per call, as a remote NBD export with
+// FAST_ZERO does (backing.FastZeroer); its Zero always works.
+type fastZero struct {
+	backing.Device
+	refuse    bool
+	fastCalls int
+}
+
+func (f *fastZero) ZeroFast(off, n int64, mayPunch bool) error {
+	f.fastCalls++
+	if f.refuse {
+		return backing.ErrNotSupported
+	}
+	return f.Device.Zero(off, n, mayPunch)
+}
+
+// TestWriteZeroesFastZeroer: a FAST_ZERO request goes to a FastZeroer's
+// ZeroFast; a refusal fails that request only (it is not remembered, and
+// says nothing of zeroing without FAST_ZERO, which goes to Zero).
+func TestWriteZeroesFastZeroer(t *testing.T) {
+	eng := engine(0, 0)
+	pool := &backing.Pool{}
+	var recs [2]*backing.Recorder
+	var fzs [2]*fastZero
+	names := [2]string{"fa", "fb"}
+	for i, name := range names {
+		recs[i] = backing.NewRecorder(backing.NewMem(name, 4*segLen))
+		fzs[i] = &fastZero{Device: recs[i], refuse: true}
+		pool.Add(name, fzs[i])
+	}
+	var b strings.Builder
+	s := segLen / table.SectorSize
+	for i := range 8 {
+		fmt.Fprintf(&b, "%d %d linear %s %d\n", i*s, s, names[i%2], i/2*s)
+	}
+	x := export(t, b.String(), pool, eng)
+	if err := x.Write(bytes.Repeat([]byte{0xaa}, 8*segLen), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := x.WriteZeroes(0, 4*segLen, true, true, false); !errors.Is(err, backing.ErrNotSupported) {
+			t.Fatalf("refused fast zero: %v, want ErrNotSupported", err)
+		}
+	}
+	if fzs[0].fastCalls != 2 {
+		t.Fatalf("device a asked %d times, want 2: a refusal is not remembered", fzs[0].fastCalls)
+	}
+	if err := x.WriteZeroes(0, 4*segLen, true, false, false); err != nil {
+		t.Fatalf("zero without FAST_ZERO after a refusal: %v", err)
+	}
+	if n := recs[0].Count(backing.OpZero); n != 1 {
+		t.Fatalf("device a got %d native zero calls, want 1", n)
+	}
+	if err := x.Write(bytes.Repeat([]byte{0xbb}, 8*segLen), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	fzs[0].refuse, fzs[1].refuse = false, false
+	if err := x.WriteZeroes(0, 4*segLen, true, true, false); err != nil {
+		t.Fatalf("fast zero the device accepts: %v", err)
+	}
+	buf := make([]byte, 8*segLen)
+	if _, err := x.Read(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(buf[:4*segLen], make([]byte, 4*segLen)) || !bytes.Equal(buf[4*segLen:], bytes.Repeat([]byte{0xbb}, 4*segLen)) {
+		t.Fatal("fast zero did not zero exactly its range")
 	}
 }

@@ -189,7 +189,7 @@ func TestEngineSplitsAsItIssues(t *testing.T) {
 		t.Fatalf("engine plan holds %d calls, want the 1 range", len(p.Devices[0].Calls))
 	}
 	eng := New()
-	eng.Window = 0
+	eng.PerRequest = true
 	if err := eng.Discard([]Extent{{Dev: rec, Off: 0, Len: size}}); err != nil {
 		t.Fatal(err)
 	}

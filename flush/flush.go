@@ -28,34 +28,48 @@ type Engine struct {
 	flushes atomic.Uint64
 
 	mu      sync.Mutex
-	tracked map[backing.Device]*tracked // by inner device and by wrapper
+	tracked map[backing.Device]backing.Device // the wrapper, by inner device and by wrapper
 	order   []*tracked
 }
 
 // New returns an engine with no tracked devices.
-func New() *Engine { return &Engine{tracked: make(map[backing.Device]*tracked)} }
+func New() *Engine { return &Engine{tracked: make(map[backing.Device]backing.Device)} }
 
 // Track wraps d so that writes, discards and zeroing through it mark it
 // dirty, and so that Flush can skip it when it is clean. A backing.Pool
 // calls Track once per distinct device (install it as Pool.Wrap). Tracking
 // the same device, or its wrapper, again returns the same wrapper.
+//
+// A device that can refuse slow zeroing (backing.FastZeroer) gets a wrapper
+// that offers ZeroFast too, tracked like Zero.
 func (e *Engine) Track(d backing.Device) backing.Device {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if t, ok := e.tracked[d]; ok {
-		return t
+	if w, ok := e.tracked[d]; ok {
+		return w
 	}
 	t := &tracked{Device: d, e: e}
-	e.tracked[d] = t
-	e.tracked[t] = t
+	var w backing.Device = t
+	if fz, ok := d.(backing.FastZeroer); ok {
+		w = &fastZeroTracked{tracked: t, fz: fz}
+	}
+	e.tracked[d] = w
+	e.tracked[w] = w
 	e.order = append(e.order, t)
-	return t
+	return w
 }
 
 // lookup returns the engine's state for d, or nil if d is not a device this
 // engine tracks.
 func (e *Engine) lookup(d backing.Device) *tracked {
-	if t, ok := d.(*tracked); ok && t.e == e {
+	var t *tracked
+	switch w := d.(type) {
+	case *tracked:
+		t = w
+	case *fastZeroTracked:
+		t = w.tracked
+	}
+	if t != nil && t.e == e {
 		return t
 	}
 	return nil

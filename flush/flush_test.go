@@ -450,3 +450,47 @@ func TestWriteFUASurvivesCrash(t *testing.T) {
 		})
 	}
 }
+
+// fastZero is a device that can refuse slow zeroing, as a remote NBD
+// export with FAST_ZERO does: refuse decides per call.
+type fastZero struct {
+	backing.Device
+	refuse bool
+	calls  int
+}
+
+func (f *fastZero) ZeroFast(off, n int64, mayPunch bool) error {
+	f.calls++
+	if f.refuse {
+		return backing.ErrNotSupported
+	}
+	return f.Zero(off, n, mayPunch)
+}
+
+// TestTrackFastZeroer: a device that refuses slow zeroing keeps ZeroFast
+// through the engine's wrapper, which dirties the device like Zero; a
+// device without it gets a wrapper without it.
+func TestTrackFastZeroer(t *testing.T) {
+	e := New()
+	fz := &fastZero{Device: backing.NewMem("fz", 4096)}
+	w := e.Track(fz)
+	z, ok := w.(backing.FastZeroer)
+	if !ok {
+		t.Fatal("the wrapper of a FastZeroer hides ZeroFast")
+	}
+	if e.Track(fz) != w || e.Track(w) != w {
+		t.Fatal("tracking the same device twice gave two wrappers")
+	}
+	if err := z.ZeroFast(0, 4096, true); err != nil || fz.calls != 1 {
+		t.Fatalf("ZeroFast: %v, %d calls", err, fz.calls)
+	}
+	if !devStats(e, "fz").Dirty {
+		t.Fatal("ZeroFast left the device clean")
+	}
+	if err := e.Flush([]backing.Device{w}); err != nil || devStats(e, "fz").Dirty || devStats(e, "fz").Syncs != 1 {
+		t.Fatalf("flush after ZeroFast: %v, %+v", err, devStats(e, "fz"))
+	}
+	if _, ok := e.Track(backing.NewMem("plain", 4096)).(backing.FastZeroer); ok {
+		t.Fatal("a device without ZeroFast got a wrapper with it")
+	}
+}

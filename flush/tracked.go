@@ -85,6 +85,21 @@ func (t *tracked) Zero(off, n int64, mayPunch bool) (err error) {
 	return t.Device.Zero(off, n, mayPunch)
 }
 
+// fastZeroTracked is a tracked device whose inner device can refuse slow
+// zeroing: ZeroFast dirties the device as Zero does.
+type fastZeroTracked struct {
+	*tracked
+	fz backing.FastZeroer
+}
+
+var _ backing.FastZeroer = (*fastZeroTracked)(nil)
+
+func (f *fastZeroTracked) ZeroFast(off, n int64, mayPunch bool) (err error) {
+	defer f.written.Add(1)
+	defer backing.Recover(&err, f.Name(), f.e.OnPanic)
+	return f.fz.ZeroFast(off, n, mayPunch)
+}
+
 // Sync makes every write that completed before the call durable, through
 // the engine: it is free when the device is clean and shares a running or
 // queued sync with concurrent flushes.

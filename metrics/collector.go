@@ -13,6 +13,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/remote"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -159,6 +160,44 @@ var (
 		"Zeroing calls issued to this backing device (BLKZEROOUT, fallocate, or written zeros).",
 		"device")
 
+	// Remote exports (package remote).
+	descRemoteConnections = desc("nbdmapper_remote_connections",
+		"Connections to the remote export up now.",
+		"device")
+	descRemoteConnectionsWanted = desc("nbdmapper_remote_connections_wanted",
+		"Connections nbdmapper keeps to the remote export (--remote-connections with CAN_MULTI_CONN, else 1).",
+		"device")
+	descRemoteReconnects = desc("nbdmapper_remote_reconnects_total",
+		"Connections to the remote export made again after one was lost.",
+		"device")
+	descRemoteDisconnects = desc("nbdmapper_remote_disconnects_total",
+		"Connections to the remote export lost (errors, protocol violations, requests past --remote-timeout).",
+		"device")
+	descRemoteConnectErrors = desc("nbdmapper_remote_connect_errors_total",
+		"Attempts to connect to the remote export that failed.",
+		"device")
+	descRemoteRetries = desc("nbdmapper_remote_retries_total",
+		"Requests sent again to the remote export because their connection was lost.",
+		"device")
+	descRemoteTimeouts = desc("nbdmapper_remote_timeouts_total",
+		"Requests to the remote export failed with EIO at --remote-timeout.",
+		"device")
+	descRemoteRequests = desc("nbdmapper_remote_requests_total",
+		"Requests to the remote export, by NBD op, each counted once however often sent.",
+		"device", "op")
+	descRemoteErrorReplies = desc("nbdmapper_remote_error_replies_total",
+		"Requests the remote export answered with an error.",
+		"device")
+	descRemoteInFlight = desc("nbdmapper_remote_requests_in_flight",
+		"Requests sent to the remote export and not yet answered.",
+		"device")
+	descRemoteUnflushed = desc("nbdmapper_remote_unflushed_writes",
+		"Writes the remote export acknowledged that no flush has covered yet.",
+		"device")
+	descRemoteLost = desc("nbdmapper_remote_writes_lost",
+		"1 if a connection to the remote export dropped or was remade with unflushed writes, so that every flush of it fails until restart, else 0.",
+		"device")
+
 	// Tables.
 	descExportSize = desc("nbdmapper_export_size_bytes",
 		"Size of the export's virtual device.",
@@ -247,6 +286,9 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 		descDiscardErrors, descZeroRangesIn, descZeroCalls,
 		descExportSize, descExportSegments, descExportDevices, descDeviceSize,
 		descSuspended, descSuspendedSeconds, descSuspends, descReloads, descRequestsHeld,
+		descRemoteConnections, descRemoteConnectionsWanted, descRemoteReconnects, descRemoteDisconnects,
+		descRemoteConnectErrors, descRemoteRetries, descRemoteTimeouts, descRemoteRequests,
+		descRemoteErrorReplies, descRemoteInFlight, descRemoteUnflushed, descRemoteLost,
 		descBuildInfo,
 	} {
 		ch <- d
@@ -265,6 +307,29 @@ func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	if c.cfg.Discard != nil {
 		c.collectDiscard(ch, c.cfg.Discard.Stats())
+	}
+	if c.cfg.Remotes != nil {
+		collectRemotes(ch, c.cfg.Remotes.Stats())
+	}
+}
+
+// collectRemotes reports every remote export the tables opened.
+func collectRemotes(ch chan<- prometheus.Metric, stats []remote.Stats) {
+	for _, s := range stats {
+		gauge(ch, descRemoteConnections, float64(s.Connections), s.Name)
+		gauge(ch, descRemoteConnectionsWanted, float64(s.Wanted), s.Name)
+		counter(ch, descRemoteReconnects, s.Reconnects, s.Name)
+		counter(ch, descRemoteDisconnects, s.Drops, s.Name)
+		counter(ch, descRemoteConnectErrors, s.DialErrors, s.Name)
+		counter(ch, descRemoteRetries, s.Retries, s.Name)
+		counter(ch, descRemoteTimeouts, s.Timeouts, s.Name)
+		for _, op := range remote.Ops() {
+			counter(ch, descRemoteRequests, s.Requests[op], s.Name, op)
+		}
+		counter(ch, descRemoteErrorReplies, s.ErrorReplies, s.Name)
+		gauge(ch, descRemoteInFlight, float64(s.InFlight), s.Name)
+		gauge(ch, descRemoteUnflushed, float64(s.Unflushed), s.Name)
+		gauge(ch, descRemoteLost, b2f(s.Lost), s.Name)
 	}
 }
 

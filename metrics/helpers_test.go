@@ -19,6 +19,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/remote"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -34,6 +35,7 @@ type rig struct {
 	discard    *discard.Engine
 	recorders  map[string]*backing.Recorder // by device name (path)
 	disks      []string
+	remote     string // the URI of the export "far" maps onto
 }
 
 const (
@@ -41,13 +43,16 @@ const (
 	segSectors = 1024 // 512 KiB segments
 )
 
-// startRig serves two exports: "main", 8 linear segments of 512 KiB
+// startRig serves three exports: "main", 8 linear segments of 512 KiB
 // alternating between the two disks (so each disk holds 4 of them back to
-// back), then a zero and an error segment; and "small", one linear segment
-// on disk 0 past everything "main" uses.
+// back), then a zero and an error segment; "small", one linear segment
+// on disk 0 past everything "main" uses; and "far", one linear segment on
+// a remote export (another nbdmapper server in this process, over a third
+// file) named by its NBD URI.
 //
 //	main:  | d0:0 | d1:0 | d0:1 | d1:1 | ... | d1:3 | zero | error |
 //	small: | d0:8 |
+//	far:   | nbd+unix:///r?socket=...:0 |
 func startRig(t *testing.T) *rig {
 	t.Helper()
 	return startRigWeb(t, "")
@@ -69,17 +74,20 @@ func startRigWeb(t *testing.T, webConfig string) *rig {
 	fmt.Fprintf(&main, "%d %d zero\n", 8*segSectors, segSectors)
 	fmt.Fprintf(&main, "%d %d error\n", 9*segSectors, segSectors)
 	small := fmt.Sprintf("0 %d linear %s %d\n", segSectors, r.disks[0], 8*segSectors)
+	r.remote = serveRemote(t, sparse.Create(t, filepath.Join(dir, "remote.img"), diskBytes))
+	far := fmt.Sprintf("0 %d linear %s 0\n", segSectors, r.remote)
 
 	r.flush = flush.New()
 	r.discard = discard.New()
-	pool := &backing.Pool{Wrap: func(d backing.Device) backing.Device {
+	remotes := &remote.Scheme{}
+	pool := &backing.Pool{Schemes: []backing.Scheme{remotes}, Wrap: func(d backing.Device) backing.Device {
 		rec := backing.NewRecorder(d)
 		r.recorders[d.Name()] = rec
 		return r.flush.Track(rec)
 	}}
 	t.Cleanup(func() { pool.Close() })
 	var exports []*nbdtarget.Export
-	for _, x := range []struct{ name, text string }{{"main", main.String()}, {"small", small}} {
+	for _, x := range []struct{ name, text string }{{"main", main.String()}, {"small", small}, {"far", far}} {
 		tb, err := table.Parse(x.name+".table", strings.NewReader(x.text), pool)
 		if err != nil {
 			t.Fatalf("table %s: %v", x.name, err)
@@ -89,7 +97,7 @@ func startRigWeb(t *testing.T, webConfig string) *rig {
 		})
 	}
 	r.server = &nbdtarget.Server{Exports: exports}
-	r.metrics = New(Config{Server: r.server, Flush: r.flush, Discard: r.discard, Version: "test"})
+	r.metrics = New(Config{Server: r.server, Flush: r.flush, Discard: r.discard, Remotes: remotes, Version: "test"})
 
 	r.socket = nbdtest.ServeUnix(t, r.server, nbdtarget.ErrServerClosed)
 
@@ -109,6 +117,21 @@ func startRigWeb(t *testing.T, webConfig string) *rig {
 	})
 	r.metricsURL = "http://" + ml.Addr().String() + "/metrics"
 	return r
+}
+
+// serveRemote serves file as export "r" of another nbdmapper server in
+// this process, the remote host of the rig's export "far", and returns its
+// URI.
+func serveRemote(t *testing.T, file string) string {
+	f := flush.New()
+	pool := &backing.Pool{Wrap: f.Track}
+	t.Cleanup(func() { pool.Close() })
+	tb, err := table.Parse("r.table", strings.NewReader(fmt.Sprintf("0 %d linear %s 0\n", diskBytes/512, file)), pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &nbdtarget.Server{Exports: []*nbdtarget.Export{{Name: "r", Dev: mapped.New("r", tb, f, discard.New())}}}
+	return nbdtest.URI(nbdtest.ServeUnix(t, srv, nbdtarget.ErrServerClosed), "r")
 }
 
 // uri is the NBD URI of an export of the rig.

@@ -20,6 +20,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/remote"
 )
 
 // Config says what New reads from. Any field may be nil; its metrics are
@@ -31,6 +32,8 @@ type Config struct {
 	// Flush and Discard are the engines every export shares.
 	Flush   *flush.Engine
 	Discard *discard.Engine
+	// Remotes opened the remote exports (NBD URIs) the tables use.
+	Remotes *remote.Scheme
 	// Version goes into nbdmapper_build_info; empty means the main
 	// module's version from the build info.
 	Version string
@@ -57,6 +60,7 @@ type Metrics struct {
 	requestSeconds *prometheus.HistogramVec
 	syncSeconds    *prometheus.HistogramVec
 	discardSeconds *prometheus.HistogramVec
+	remoteSeconds  *prometheus.HistogramVec
 
 	// Observers for every label combination known at New, so that a hook
 	// on the I/O path does a map read instead of hashing label values. The
@@ -64,6 +68,7 @@ type Metrics struct {
 	requestObs map[[2]string]prometheus.Observer
 	syncObs    map[string]prometheus.Observer
 	discardObs map[[2]string]prometheus.Observer
+	remoteObs  map[[2]string]prometheus.Observer
 }
 
 // Latency buckets for the classic histograms, 50µs to 10s: a page-cache
@@ -108,7 +113,12 @@ func New(cfg Config) *Metrics {
 			"nbdmapper_device_discard_duration_seconds",
 			"Time one discard or zeroing call on a backing device took, by op (discard, zero)."),
 			[]string{"device", "op"}),
+		remoteSeconds: prometheus.NewHistogramVec(histogramOpts(
+			"nbdmapper_remote_round_trip_seconds",
+			"Time from sending a request to a remote export to its last reply, by remote device and op."),
+			[]string{"device", "op"}),
 		requestObs: make(map[[2]string]prometheus.Observer),
+		remoteObs:  make(map[[2]string]prometheus.Observer),
 		syncObs:    make(map[string]prometheus.Observer),
 		discardObs: make(map[[2]string]prometheus.Observer),
 	}
@@ -163,6 +173,16 @@ func New(cfg Config) *Metrics {
 			}
 			m.ObserveDiscard(device, op, d)
 		}
+	}
+	if sc := cfg.Remotes; sc != nil {
+		m.reg.MustRegister(m.remoteSeconds)
+		for _, d := range sc.Devices() {
+			for _, op := range remote.Ops() {
+				k := [2]string{d.Name(), op}
+				m.remoteObs[k] = m.remoteSeconds.WithLabelValues(k[0], k[1])
+			}
+		}
+		sc.Observe(m.ObserveRemote)
 	}
 	return m
 }
@@ -238,6 +258,16 @@ func (m *Metrics) ObserveDiscard(device, op string, d time.Duration) {
 	o, ok := m.discardObs[[2]string{device, op}]
 	if !ok {
 		o = m.discardSeconds.WithLabelValues(device, op)
+	}
+	o.Observe(d.Seconds())
+}
+
+// ObserveRemote records one request's round trip to a remote export; it
+// is the remote scheme's Observe hook.
+func (m *Metrics) ObserveRemote(device, op string, d time.Duration) {
+	o, ok := m.remoteObs[[2]string{device, op}]
+	if !ok {
+		o = m.remoteSeconds.WithLabelValues(device, op)
 	}
 	o.Observe(d.Seconds())
 }

@@ -290,3 +290,31 @@ func TestHistograms(t *testing.T) {
 		}
 	}
 }
+
+// TestRemoteCounters drives the export over a remote NBD export and
+// checks the remote series: what was sent to the remote, its connections,
+// and round trips, beside the flush engine's view of the same device.
+func TestRemoteCounters(t *testing.T) {
+	r := startRig(t)
+	r.nbdsh(t, "far", "h.pwrite(b'z' * 8192, 4096)\nh.flush()\nh.flush()\nh.pread(4096, 0)")
+	fams := gather(t, r.metrics)
+	dev := map[string]string{"device": r.remote}
+	op := func(o string) map[string]string { return map[string]string{"device": r.remote, "op": o} }
+	checkValues(t, fams, []wantValue{
+		{"nbdmapper_remote_requests_total", op("write"), 1},
+		{"nbdmapper_remote_requests_total", op("read"), 1},
+		// Two client flushes, one NBD flush: the second found the remote clean.
+		{"nbdmapper_remote_requests_total", op("flush"), 1},
+		{"nbdmapper_device_syncs_total", dev, 1},
+		{"nbdmapper_device_syncs_skipped_total", dev, 1},
+		{"nbdmapper_remote_round_trip_seconds", op("write"), 1},
+		{"nbdmapper_remote_round_trip_seconds", op("flush"), 1},
+		{"nbdmapper_remote_connections", dev, 4},
+		{"nbdmapper_remote_connections_wanted", dev, 4},
+		{"nbdmapper_remote_reconnects_total", dev, 0},
+		{"nbdmapper_remote_retries_total", dev, 0},
+		{"nbdmapper_remote_unflushed_writes", dev, 0},
+		{"nbdmapper_remote_writes_lost", dev, 0},
+		{"nbdmapper_remote_requests_in_flight", dev, 0},
+	})
+}

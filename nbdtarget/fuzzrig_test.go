@@ -115,7 +115,7 @@ func newFuzzRig(t testing.TB, file string, serial, batch bool) *fuzzRig {
 	fc := backing.NewFaulty(mem("c", 8*kb, 72*kb))
 	flusher, discarder := flush.New(), discard.New()
 	if !batch {
-		discarder.Window = 0
+		discarder.PerRequest = true
 	}
 	pool := &backing.Pool{Wrap: flusher.Track}
 	pool.Add("a", holes(mem("a", 16*kb, 0)))

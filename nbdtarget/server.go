@@ -79,6 +79,13 @@ type Server struct {
 	TLSConfig *tls.Config
 	TLS       TLSMode
 
+	// OnActive, if set, is called with the number of connections in the
+	// transmission phase, over all exports, each time it changes; the
+	// calls come one at a time, in the order of the changes.
+	OnActive func(conns int)
+	activeMu sync.Mutex
+	active   int
+
 	initOnce sync.Once
 	exports  atomic.Pointer[[]*Export] // Exports, then as AddExport and RemoveExport leave it
 	mem      *semaphore.Weighted
@@ -131,6 +138,18 @@ func (s *Server) watchReplies() {
 		}
 		s.mu.Unlock()
 	}
+}
+
+// activeChanged adds d to the connections in transmission and tells
+// OnActive.
+func (s *Server) activeChanged(d int) {
+	if s.OnActive == nil {
+		return
+	}
+	s.activeMu.Lock()
+	defer s.activeMu.Unlock()
+	s.active += d
+	s.OnActive(s.active)
 }
 
 // Defaults for the Server's limits.

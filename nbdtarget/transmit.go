@@ -70,6 +70,13 @@ type conn struct {
 	pending atomic.Int32 // replies waiting for or holding wmu
 	werr    error        // first write error; later replies are dropped
 
+	// Reply batching (see unlockSend): queued says the read buffer holds
+	// another whole request header, which the reader will take without
+	// blocking; owed says replies wait in bw for the reader to flush them
+	// before it could block (yieldReplies).
+	queued atomic.Bool
+	owed   atomic.Bool
+
 	stopped       atomic.Bool
 	writeSince    atomic.Int64 // Server.ticks+1 when the current write began; 0 when not writing
 	replyTimedOut atomic.Bool
@@ -112,6 +119,7 @@ func (c *conn) serve() {
 	c.st.conns.Add(1)
 	c.srv.mu.Unlock()
 	c.st.connsTotal.Add(1)
+	c.srv.activeChanged(1)
 	defer c.left()
 	c.log = c.log.With("export", x.Name)
 	c.log.Debug("nbd transmission", "structured", c.structured, "meta", c.meta)
@@ -122,6 +130,7 @@ func (c *conn) serve() {
 // that waits for the last one.
 func (c *conn) left() {
 	c.st.conns.Add(-1)
+	c.srv.activeChanged(-1)
 	if c.x.removed.Load() {
 		c.srv.mu.Lock()
 		c.srv.connGone.Broadcast()
@@ -182,6 +191,7 @@ func (c *conn) next() *job {
 	j := c.read()
 	if j == nil {
 		c.readDone = true
+		c.queued.Store(false) // the replies still to come flush themselves
 		return nil
 	}
 	c.st.inFlight.Add(1)
@@ -196,6 +206,7 @@ func (c *conn) next() *job {
 // read decodes one request and its payload; nil means the stream ended.
 func (c *conn) read() *job {
 	var hdr [requestSize]byte
+	c.mayBlock(requestSize)
 	if _, err := io.ReadFull(c.br, hdr[:]); err != nil {
 		if !c.quiet(err) && !errors.Is(err, io.ErrUnexpectedEOF) {
 			c.log.Warn("nbd read request", "err", err)
@@ -220,7 +231,31 @@ func (c *conn) read() *job {
 		}
 		return nil
 	}
+	queued := c.br.Buffered() >= requestSize
+	c.queued.Store(queued)
+	if !queued {
+		c.yieldReplies()
+	}
 	return j
+}
+
+// mayBlock is called by the reader before it reads n more bytes: if they
+// are not all buffered the read may block, so the replies held back for
+// the requests that were buffered go out first.
+func (c *conn) mayBlock(n int) {
+	if c.br.Buffered() < n {
+		c.queued.Store(false)
+		c.yieldReplies()
+	}
+}
+
+// yieldReplies flushes the replies held back in bw, if any. The reader
+// calls it with queued false, so unlockSend flushes.
+func (c *conn) yieldReplies() {
+	if c.owed.Load() {
+		c.lockSend()
+		c.unlockSend()
+	}
 }
 
 // Memory charged per request (see cost).
@@ -264,9 +299,15 @@ func cost(r *request) int64 {
 // read token charges, so a connection waits without reading further.
 func (c *conn) charge(j *job) {
 	j.cost = cost(&j.req)
-	c.mem.Acquire(context.Background(), j.cost)
+	if !c.mem.TryAcquire(j.cost) {
+		c.queued.Store(false) // waiting: send what is held back first
+		c.yieldReplies()
+		c.mem.Acquire(context.Background(), j.cost)
+	}
 	if !c.srv.mem.TryAcquire(j.cost) {
 		c.srv.counters.memWaits.Add(1)
+		c.queued.Store(false)
+		c.yieldReplies()
 		c.srv.mem.Acquire(context.Background(), j.cost)
 	}
 	c.srv.counters.memInUse.Add(j.cost)
@@ -295,6 +336,7 @@ func (c *conn) readPayload(j *job) error {
 		return c.writeStream(j)
 	}
 	j.setBuf(int(r.Length))
+	c.mayBlock(len(j.buf))
 	if _, err := io.ReadFull(c.br, j.buf); err != nil {
 		c.uncharge(j)
 		return err
@@ -317,6 +359,7 @@ func (c *conn) writeStream(j *job) error {
 	off, left := int64(r.Offset), int64(r.Length)
 	for left > 0 {
 		p := j.buf[:min(left, streamPiece)]
+		c.mayBlock(len(p))
 		if _, err := io.ReadFull(c.br, p); err != nil {
 			c.uncharge(j)
 			return err
@@ -744,9 +787,7 @@ func (c *conn) sendParts(parts [][]byte) {
 // errBrokenReply ends a connection whose reply could not be completed.
 var errBrokenReply = errors.New("reply broken off")
 
-// send writes one reply. Whoever leaves the lock with no other reply waiting
-// flushes, so a burst of completions goes out in few writes while a lone
-// reply is never held back.
+// send writes one reply into bw; unlockSend decides when bw is flushed.
 func (c *conn) send(hdr, data []byte) {
 	c.lockSend()
 	defer c.unlockSend()
@@ -786,11 +827,24 @@ func (c *conn) replyStuck() {
 	}
 }
 
-// unlockSend ends a hold of the write lock: the last reply out flushes,
-// and a failed write closes the connection.
+// unlockSend ends a hold of the write lock, flushing the replies in bw
+// unless another reply is about to join them: one waits for the lock
+// (pending), or the read buffer holds another request (queued), whose
+// reader flushes before it could block (mayBlock). So replies that
+// complete together, or for requests that arrived together, go out in one
+// write, and a reply is held back only while the connection has a request
+// in hand, never while it waits for the client. A failed write closes the
+// connection.
+//
+// owed is set before queued is read, and the reader clears queued before
+// it reads owed, so a reply held back is always flushed by one of them.
 func (c *conn) unlockSend() {
 	if c.pending.Add(-1) == 0 && c.werr == nil {
-		c.werr = c.bw.Flush()
+		c.owed.Store(c.bw.Buffered() > 0)
+		if c.owed.Load() && !c.queued.Load() {
+			c.owed.Store(false)
+			c.werr = c.bw.Flush()
+		}
 	}
 	c.writeSince.Store(0)
 	failed := c.werr

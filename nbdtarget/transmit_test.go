@@ -43,6 +43,14 @@ type tfix struct {
 }
 
 func newTFix(t *testing.T, srv *Server) *tfix {
+	if srv == nil {
+		srv = &Server{}
+	}
+	return newTFixOn(t, srv, srv)
+}
+
+// newTFixOn is newTFix serving through on, which wraps srv.
+func newTFixOn(t *testing.T, srv *Server, on nbdtest.Servable) *tfix {
 	f := &tfix{a: backing.NewMem("a", 64*kb)}
 	f.gate = &gateDev{Device: backing.NewMem("g", 64*kb), at: 0, entered: make(chan struct{}), release: make(chan struct{})}
 	x := newExport(t, "t",
@@ -55,12 +63,9 @@ func newTFix(t *testing.T, srv *Server) *tfix {
 	)
 	ro := newExport(t, "ro", seg{len: 64 * kb, dev: backing.NewMem("r", 64*kb)})
 	ro.ReadOnly = true
-	if srv == nil {
-		srv = &Server{}
-	}
 	srv.Exports = []*Export{x, ro}
 	f.srv = srv
-	f.sock = nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	f.sock = nbdtest.ServeUnix(t, on, ErrServerClosed)
 	return f
 }
 

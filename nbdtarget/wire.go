@@ -1,80 +1,79 @@
 package nbdtarget
 
-// The NBD wire format, fixed newstyle, as specified in the NetworkBlockDevice
-// repository's doc/proto.md. Every integer is big-endian (network order).
-// This is the only file that knows byte layouts; the handshake and
-// transmission code encode and decode through the helpers at the bottom.
+// The NBD wire format, as the server uses it. The numbers and header layouts
+// are package wire's, shared with the client side (remote, attach); this is
+// the only file of the server that knows byte layouts, and the handshake and
+// transmission code encode and decode through the helpers here.
 
 import (
 	"encoding/binary"
 
-	"github.com/pojntfx/go-nbd/pkg/protocol"
-
 	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // Magics.
 const (
-	magicNBD        uint64 = protocol.NEGOTIATION_MAGIC_OLDSTYLE // "NBDMAGIC", first 8 bytes the server sends
-	magicOpt        uint64 = protocol.NEGOTIATION_MAGIC_OPTION   // "IHAVEOPT", server greeting and every client option
-	magicOptReply   uint64 = protocol.NEGOTIATION_MAGIC_REPLY    // 0x3e889045565a9, every option reply
-	magicRequest    uint32 = 0x25609513                          // every transmission request
-	magicSimple     uint32 = 0x67446698                          // simple reply
-	magicStructured uint32 = 0x668e33ef                          // structured reply chunk
+	magicNBD        = wire.MagicNBD        // "NBDMAGIC", first 8 bytes the server sends
+	magicOpt        = wire.MagicOpt        // "IHAVEOPT", server greeting and every client option
+	magicOptReply   = wire.MagicOptReply   // 0x3e889045565a9, every option reply
+	magicRequest    = wire.MagicRequest    // every transmission request
+	magicSimple     = wire.MagicSimple     // simple reply
+	magicStructured = wire.MagicStructured // structured reply chunk
 )
 
 // Handshake flags (server, u16) and client flags (u32).
 const (
-	flagFixedNewstyle uint16 = 1 << 0
-	flagNoZeroes      uint16 = 1 << 1
+	flagFixedNewstyle = wire.FlagFixedNewstyle
+	flagNoZeroes      = wire.FlagNoZeroes
 
-	clientFixedNewstyle uint32 = 1 << 0
-	clientNoZeroes      uint32 = 1 << 1
-	clientKnown                = clientFixedNewstyle | clientNoZeroes
+	clientFixedNewstyle = wire.ClientFixedNewstyle
+	clientNoZeroes      = wire.ClientNoZeroes
+	clientKnown         = wire.ClientKnown
 )
 
 // Options (client -> server, u32).
 const (
-	optExportName      uint32 = 1  // data: name; reply: export info (no option reply possible)
-	optAbort           uint32 = 2  // no data; reply ACK, then close
-	optList            uint32 = 3  // no data; REP_SERVER per export, then ACK
-	optStartTLS        uint32 = 5  // no data; ACK, then a TLS handshake (tls.go)
-	optInfo            uint32 = 6  // data: infoRequest; REP_INFO..., ACK; stays in options
-	optGo              uint32 = 7  // as optInfo, then transmission
-	optStructuredReply uint32 = 8  // no data; ACK
-	optListMetaContext uint32 = 9  // data: metaRequest; REP_META_CONTEXT..., ACK
-	optSetMetaContext  uint32 = 10 // data: metaRequest; REP_META_CONTEXT..., ACK
-	optExtendedHeaders uint32 = 11 // experimental, not supported: ERR_UNSUP
+	optExportName             = wire.OptExportName      // data: name; reply: export info (no option reply possible)
+	optAbort                  = wire.OptAbort           // no data; reply ACK, then close
+	optList                   = wire.OptList            // no data; REP_SERVER per export, then ACK
+	optStartTLS               = wire.OptStartTLS        // no data; ACK, then a TLS handshake (tls.go)
+	optInfo                   = wire.OptInfo            // data: infoRequest; REP_INFO..., ACK; stays in options
+	optGo                     = wire.OptGo              // as optInfo, then transmission
+	optStructuredReply        = wire.OptStructuredReply // no data; ACK
+	optListMetaContext        = wire.OptListMetaContext // data: metaRequest; REP_META_CONTEXT..., ACK
+	optSetMetaContext         = wire.OptSetMetaContext  // data: metaRequest; REP_META_CONTEXT..., ACK
+	optExtendedHeaders        = wire.OptExtendedHeaders // experimental, not supported: ERR_UNSUP
 	maxOptionLen       uint32 = 64 << 10
-	maxStringLen       uint32 = 4096 // names, queries and messages (proto.md "string")
-	exportNamePad             = 124  // zero bytes after EXPORT_NAME's reply unless NO_ZEROES
-	errorMessageMax           = 256  // longest message we put in an error chunk
+	maxStringLen              = wire.MaxStringLen  // names, queries and messages (proto.md "string")
+	exportNamePad             = wire.ExportNamePad // zero bytes after EXPORT_NAME's reply unless NO_ZEROES
+	errorMessageMax           = 256                // longest message we put in an error chunk
 )
 
 // Option reply types (server -> client, u32). Errors have bit 31 set.
 const (
-	repAck         uint32 = 1 // no data
-	repServer      uint32 = 2 // u32 name length, name, description
-	repInfo        uint32 = 3 // u16 info type, info data
-	repMetaContext uint32 = 4 // u32 context id, name
+	repAck         = wire.RepAck         // no data
+	repServer      = wire.RepServer      // u32 name length, name, description
+	repInfo        = wire.RepInfo        // u16 info type, info data
+	repMetaContext = wire.RepMetaContext // u32 context id, name
 
-	repErrUnsup    uint32 = 1<<31 + 1
-	repErrPolicy   uint32 = 1<<31 + 2
-	repErrInvalid  uint32 = 1<<31 + 3
-	repErrPlatform uint32 = 1<<31 + 4
-	repErrTLSReqd  uint32 = 1<<31 + 5
-	repErrUnknown  uint32 = 1<<31 + 6
-	repErrShutdown uint32 = 1<<31 + 7
-	repErrBlkReqd  uint32 = 1<<31 + 8
-	repErrTooBig   uint32 = 1<<31 + 9
+	repErrUnsup    = wire.RepErrUnsup
+	repErrPolicy   = wire.RepErrPolicy
+	repErrInvalid  = wire.RepErrInvalid
+	repErrPlatform = wire.RepErrPlatform
+	repErrTLSReqd  = wire.RepErrTLSReqd
+	repErrUnknown  = wire.RepErrUnknown
+	repErrShutdown = wire.RepErrShutdown
+	repErrBlkReqd  = wire.RepErrBlkReqd
+	repErrTooBig   = wire.RepErrTooBig
 )
 
 // Info types inside REP_INFO (u16).
 const (
-	infoExport      uint16 = 0 // u64 size, u16 transmission flags (always sent)
-	infoName        uint16 = 1 // name string
-	infoDescription uint16 = 2 // description string
-	infoBlockSize   uint16 = 3 // u32 minimum, u32 preferred, u32 maximum payload
+	infoExport      = wire.InfoExport      // u64 size, u16 transmission flags (always sent)
+	infoName        = wire.InfoName        // name string
+	infoDescription = wire.InfoDescription // description string
+	infoBlockSize   = wire.InfoBlockSize   // u32 minimum, u32 preferred, u32 maximum payload
 )
 
 // Block sizes advertised in INFO_BLOCK_SIZE. Any alignment is served (the
@@ -90,153 +89,103 @@ const (
 
 // Transmission flags (server, u16), per export.
 const (
-	tfHasFlags        uint16 = 1 << 0
-	tfReadOnly        uint16 = 1 << 1
-	tfSendFlush       uint16 = 1 << 2
-	tfSendFUA         uint16 = 1 << 3
-	tfRotational      uint16 = 1 << 4
-	tfSendTrim        uint16 = 1 << 5
-	tfSendWriteZeroes uint16 = 1 << 6
-	tfSendDF          uint16 = 1 << 7
-	tfCanMultiConn    uint16 = 1 << 8
-	tfSendResize      uint16 = 1 << 9
-	tfSendCache       uint16 = 1 << 10
-	tfSendFastZero    uint16 = 1 << 11
+	tfHasFlags        = wire.TfHasFlags
+	tfReadOnly        = wire.TfReadOnly
+	tfSendFlush       = wire.TfSendFlush
+	tfSendFUA         = wire.TfSendFUA
+	tfRotational      = wire.TfRotational
+	tfSendTrim        = wire.TfSendTrim
+	tfSendWriteZeroes = wire.TfSendWriteZeroes
+	tfSendDF          = wire.TfSendDF
+	tfCanMultiConn    = wire.TfCanMultiConn
+	tfSendResize      = wire.TfSendResize
+	tfSendCache       = wire.TfSendCache
+	tfSendFastZero    = wire.TfSendFastZero
 )
 
 // Commands (u16 type in a request).
 const (
-	cmdRead        uint16 = 0
-	cmdWrite       uint16 = 1 // the only command followed by a payload
-	cmdDisc        uint16 = 2
-	cmdFlush       uint16 = 3
-	cmdTrim        uint16 = 4
-	cmdCache       uint16 = 5
-	cmdWriteZeroes uint16 = 6
-	cmdBlockStatus uint16 = 7
-	numCmds               = 8
+	cmdRead        = wire.CmdRead
+	cmdWrite       = wire.CmdWrite // the only command followed by a payload
+	cmdDisc        = wire.CmdDisc
+	cmdFlush       = wire.CmdFlush
+	cmdTrim        = wire.CmdTrim
+	cmdCache       = wire.CmdCache
+	cmdWriteZeroes = wire.CmdWriteZeroes
+	cmdBlockStatus = wire.CmdBlockStatus
+	numCmds        = wire.NumCmds
 )
 
 // Command flags (u16 flags in a request).
 const (
-	cfFUA      uint16 = 1 << 0 // valid on every command once SEND_FUA is advertised
-	cfNoHole   uint16 = 1 << 1 // WRITE_ZEROES
-	cfDF       uint16 = 1 << 2 // READ, with structured replies
-	cfReqOne   uint16 = 1 << 3 // BLOCK_STATUS
-	cfFastZero uint16 = 1 << 4 // WRITE_ZEROES
+	cfFUA      = wire.CfFUA      // valid on every command once SEND_FUA is advertised
+	cfNoHole   = wire.CfNoHole   // WRITE_ZEROES
+	cfDF       = wire.CfDF       // READ, with structured replies
+	cfReqOne   = wire.CfReqOne   // BLOCK_STATUS
+	cfFastZero = wire.CfFastZero // WRITE_ZEROES
 )
 
 // Structured reply flags and chunk types.
 const (
-	replyFlagDone uint16 = 1 << 0
+	replyFlagDone = wire.ReplyFlagDone
 
-	chunkNone        uint16 = 0         // no payload, DONE set
-	chunkOffsetData  uint16 = 1         // u64 offset, data
-	chunkOffsetHole  uint16 = 2         // u64 offset, u32 hole length
-	chunkBlockStatus uint16 = 5         // u32 context id, {u32 length, u32 flags}...
-	chunkError       uint16 = 1<<15 + 1 // u32 errno, u16 message length, message
-	chunkErrorOffset uint16 = 1<<15 + 2 // u32 errno, u16 message length, message, u64 offset
+	chunkNone        = wire.ChunkNone        // no payload, DONE set
+	chunkOffsetData  = wire.ChunkOffsetData  // u64 offset, data
+	chunkOffsetHole  = wire.ChunkOffsetHole  // u64 offset, u32 hole length
+	chunkBlockStatus = wire.ChunkBlockStatus // u32 context id, {u32 length, u32 flags}...
+	chunkError       = wire.ChunkError       // u32 errno, u16 message length, message
+	chunkErrorOffset = wire.ChunkErrorOffset // u32 errno, u16 message length, message, u64 offset
 )
 
 // Metadata contexts. base:allocation is the only one; its id is ours to pick.
 const (
-	metaBaseAllocation        = "base:allocation"
+	metaBaseAllocation        = wire.MetaBaseAllocation
 	metaBaseID         uint32 = 1
 	maxExtents                = 1 << 14 // descriptors in one BLOCK_STATUS reply; fewer is allowed
 )
 
 // NBD error values (u32 in replies). They are the Linux errno numbers.
 const (
-	EPERM     uint32 = 1
-	EIO       uint32 = 5
-	ENOMEM    uint32 = 12
-	EINVAL    uint32 = 22
-	ENOSPC    uint32 = 28
-	EOVERFLOW uint32 = 75
-	ENOTSUP   uint32 = 95
-	ESHUTDOWN uint32 = 108
+	EPERM     = wire.EPERM
+	EIO       = wire.EIO
+	ENOMEM    = wire.ENOMEM
+	EINVAL    = wire.EINVAL
+	ENOSPC    = wire.ENOSPC
+	EOVERFLOW = wire.EOVERFLOW
+	ENOTSUP   = wire.ENOTSUP
+	ESHUTDOWN = wire.ESHUTDOWN
 )
 
-// Handshake headers, from go-nbd's protocol package.
-//
-// greeting (server, 18 bytes):     u64 NBDMAGIC | u64 IHAVEOPT | u16 handshake flags
-// option header (client, 16 bytes): u64 IHAVEOPT | u32 option | u32 data length
-// option reply (server, 20 bytes):  u64 0x3e889045565a9 | u32 option | u32 reply type | u32 data length
+// Handshake headers and transmission message sizes: package wire has the
+// byte layouts.
 type (
-	greeting     = protocol.NegotiationNewstyleHeader
-	optionHeader = protocol.NegotiationOptionHeader
-	optionReply  = protocol.NegotiationReplyHeader
+	greeting     = wire.Greeting
+	optionHeader = wire.OptionHeader
+	optionReply  = wire.OptionReply
 )
 
-// Transmission message sizes.
-//
-// request (client, 28 bytes):
-//
-//	0      4      6      8             16            24     28
-//	| magic| flags| type | handle (u64)| offset (u64)| len  | [len bytes payload for WRITE]
-//
-// simple reply (server, 16 bytes):
-//
-//	0      4      8             16
-//	| magic| errno| handle (u64)| [data for a successful READ]
-//
-// structured reply chunk header (server, 20 bytes):
-//
-//	0      4      6      8             16     20
-//	| magic| flags| type | handle (u64)| len  | [len bytes payload]
 const (
-	requestSize     = 28
-	simpleReplySize = 16
-	chunkHeaderSize = 20
+	requestSize     = wire.RequestSize
+	simpleReplySize = wire.SimpleReplySize
+	chunkHeaderSize = wire.ChunkHeaderSize
 )
 
 // request is a decoded request header.
-type request struct {
-	Flags  uint16
-	Type   uint16
-	Handle uint64
-	Offset uint64
-	Length uint32
-}
+type request = wire.Request
 
 // decodeRequest parses a 28-byte request header. ok is false if the magic
 // is wrong: the stream is then unusable and the connection must close.
-func decodeRequest(b []byte) (r request, ok bool) {
-	_ = b[requestSize-1]
-	if binary.BigEndian.Uint32(b[0:4]) != magicRequest {
-		return r, false
-	}
-	return request{
-		Flags:  binary.BigEndian.Uint16(b[4:6]),
-		Type:   binary.BigEndian.Uint16(b[6:8]),
-		Handle: binary.BigEndian.Uint64(b[8:16]),
-		Offset: binary.BigEndian.Uint64(b[16:24]),
-		Length: binary.BigEndian.Uint32(b[24:28]),
-	}, true
-}
+func decodeRequest(b []byte) (r request, ok bool) { return wire.DecodeRequest(b) }
 
 // encodeRequest is decodeRequest's inverse (tests and fuzzing).
-func encodeRequest(b []byte, r request) []byte {
-	b = binary.BigEndian.AppendUint32(b, magicRequest)
-	b = binary.BigEndian.AppendUint16(b, r.Flags)
-	b = binary.BigEndian.AppendUint16(b, r.Type)
-	b = binary.BigEndian.AppendUint64(b, r.Handle)
-	b = binary.BigEndian.AppendUint64(b, r.Offset)
-	return binary.BigEndian.AppendUint32(b, r.Length)
-}
+func encodeRequest(b []byte, r request) []byte { return wire.AppendRequest(b, r) }
 
 func appendSimpleReply(b []byte, handle uint64, errno uint32) []byte {
-	b = binary.BigEndian.AppendUint32(b, magicSimple)
-	b = binary.BigEndian.AppendUint32(b, errno)
-	return binary.BigEndian.AppendUint64(b, handle)
+	return wire.AppendSimpleReply(b, handle, errno)
 }
 
 func appendChunkHeader(b []byte, handle uint64, flags, typ uint16, length uint32) []byte {
-	b = binary.BigEndian.AppendUint32(b, magicStructured)
-	b = binary.BigEndian.AppendUint16(b, flags)
-	b = binary.BigEndian.AppendUint16(b, typ)
-	b = binary.BigEndian.AppendUint64(b, handle)
-	return binary.BigEndian.AppendUint32(b, length)
+	return wire.AppendChunkHeader(b, handle, flags, typ, length)
 }
 
 // appendErrorChunk appends a complete, final ERROR chunk (or ERROR_OFFSET

@@ -13,6 +13,8 @@ packages=(
 	qemu-utils      # qemu-img, qemu-io, qemu-nbd
 	nbdkit          # benchmark peer
 	nbd-client
+	nbd-server      # a remote host in the multi-host tests (cmd/nbdmapper/hosts_test.go)
+	iproute2        # ip netns, veth: the multi-host tests' namespaces
 	prometheus      # promtool and a real Prometheus server
 	qemu-system-x86 # guest VM for the kernel nbd tests
 	busybox-static

@@ -12,7 +12,7 @@ import (
 )
 
 // guestTests are the names tests.sh reports, in order.
-var guestTests = []string{"fs", "dm_linear", "flush", "discard", "nbd_client", "nbd_client_tls", "snapshot", "lifecycle", "live_snapshot"}
+var guestTests = []string{"fs", "dm_linear", "flush", "discard", "nbd_client", "nbd_client_tls", "snapshot", "lifecycle", "live_snapshot", "remote"}
 
 // result is one VMTEST-RESULT line.
 type result struct{ status, detail string }

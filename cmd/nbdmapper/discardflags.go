@@ -10,17 +10,20 @@ import (
 
 // discardFlags are serve's discard engine settings.
 type discardFlags struct {
-	window   time.Duration
-	baseline bool
+	window     time.Duration
+	perRequest bool
+	baseline   bool
 }
 
 func (f *discardFlags) register(fs *flag.FlagSet) {
-	fs.DurationVar(&f.window, "discard-window", discard.DefaultWindow, "how long a trim waits for others to batch with (0: no batching across requests)")
+	fs.DurationVar(&f.window, "discard-window", 0, "how long the first trim of a batch waits for others (0: group commit, trims wait only while earlier ones are issued)")
+	fs.BoolVar(&f.perRequest, "discard-per-request", false, "benchmark only: never batch trims across requests")
 	fs.BoolVar(&f.baseline, "discard-baseline", false, "benchmark only: issue every mapped trim range at once, in arrival order, unmerged")
 }
 
 func (f *discardFlags) apply(e *discard.Engine) {
 	e.Window = f.window
+	e.PerRequest = f.perRequest
 	e.Baseline = f.baseline
 }
 

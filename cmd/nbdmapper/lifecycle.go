@@ -19,33 +19,17 @@ import (
 // lifecycle commands look for it, unless --control says otherwise.
 const defaultControl = "/run/nbdmapper/control"
 
-// startControl serves the control socket for devs. With the default path,
-// a place that cannot be had (not root, or another server there) is logged
-// and skipped, so that serve runs anywhere; a path given with --control
-// must work.
+// startControl makes the control server for devs and serves it on passed,
+// the control socket systemd passed, if any, or else at path ('off': none;
+// SIGHUP's rescan of --tables still uses the server). With the default
+// path, a place that cannot be had (not root, or another server there) is
+// logged and skipped, so that serve runs anywhere; a path given with
+// --control must work.
 //
 // create makes and serves a device for `nbdmapper create`; remove takes one
 // out of srv and closes it.
-func startControl(path string, explicit bool, log *slog.Logger, devs []*mapped.Device, open table.Opener, srv *nbdtarget.Server,
-	create func(name string, t *table.Table) (*mapped.Device, error)) (stop func(), err error) {
-	if path == "off" {
-		return func() {}, nil
-	}
-	if !explicit {
-		if c, err := net.Dial("unix", path); err == nil {
-			c.Close()
-			log.Warn("control socket in use by another server: serving none; give --control PATH", "path", path)
-			return func() {}, nil
-		}
-	}
-	l, err := control.Listen(path)
-	if err != nil {
-		if !explicit {
-			log.Warn("no control socket: give --control PATH for reload, suspend and resume", "path", path, "err", err)
-			return func() {}, nil
-		}
-		return nil, fmt.Errorf("--control: %w", err)
-	}
+func startControl(path string, explicit bool, passed net.Listener, log *slog.Logger, devs []*mapped.Device, open table.Opener, srv *nbdtarget.Server,
+	create func(name string, t *table.Table) (*mapped.Device, error)) (ctl *control.Server, stop func(), err error) {
 	byName := make(map[string]*mapped.Device, len(devs))
 	for _, d := range devs {
 		byName[d.DeviceName()] = d
@@ -57,7 +41,7 @@ func startControl(path string, explicit bool, log *slog.Logger, devs []*mapped.D
 		}
 		return x.Dev.Close()
 	}
-	ctl := &control.Server{Devices: byName, Open: open, Logger: log, Create: create, Remove: remove, Clients: func(name string) int {
+	ctl = &control.Server{Devices: byName, Open: open, Logger: log, Create: create, Remove: remove, Clients: func(name string) int {
 		for _, x := range srv.Stats().Exports {
 			if x.Name == name {
 				return int(x.Connections)
@@ -65,10 +49,40 @@ func startControl(path string, explicit bool, log *slog.Logger, devs []*mapped.D
 		}
 		return 0
 	}}
+	serve := func(l net.Listener, cleanup func()) func() {
+		done := make(chan struct{})
+		go func() { defer close(done); ctl.Serve(l) }()
+		return func() { l.Close(); <-done; cleanup() }
+	}
+	none := func() {}
+	if passed != nil {
+		if explicit {
+			passed.Close()
+			return nil, nil, errors.New("--control cannot be used with a control socket passed by systemd")
+		}
+		log.Info("control", "socket", passed.Addr().String(), "from", "systemd")
+		return ctl, serve(passed, none), nil // systemd owns the socket file
+	}
+	if path == "off" {
+		return ctl, none, nil
+	}
+	if !explicit {
+		if c, err := net.Dial("unix", path); err == nil {
+			c.Close()
+			log.Warn("control socket in use by another server: serving none; give --control PATH", "path", path)
+			return ctl, none, nil
+		}
+	}
+	l, err := control.Listen(path)
+	if err != nil {
+		if !explicit {
+			log.Warn("no control socket: give --control PATH for reload, suspend and resume", "path", path, "err", err)
+			return ctl, none, nil
+		}
+		return nil, nil, fmt.Errorf("--control: %w", err)
+	}
 	log.Info("control", "socket", path)
-	done := make(chan struct{})
-	go func() { defer close(done); ctl.Serve(l) }()
-	return func() { l.Close(); <-done; os.Remove(path) }, nil
+	return ctl, serve(l, func() { os.Remove(path) }), nil
 }
 
 // runLifecycle is the client side of dmsetup's lifecycle commands:

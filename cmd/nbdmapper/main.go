@@ -1,7 +1,7 @@
 // Command nbdmapper serves device-mapper tables as NBD exports.
 //
 //	nbdmapper serve [flags] [NAME=TABLE_FILE ...]   serve tables (a demo without any)
-//	nbdmapper check TABLE_FILE                      validate and print a normalised table
+//	nbdmapper check [--connect] TABLE_FILE          validate and print a normalised table
 //
 // main parses flags, sets up signals and wires the packages together; the
 // work happens in nbdtarget, mapped, control, table, flush, discard and
@@ -34,17 +34,22 @@ const usage = `usage:
                   [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
-                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [NAME=TABLE_FILE ...]
+                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [--procs N|auto]
+                  [--remote-connections N] [--remote-timeout D] [--remote-backoff-max D] [--remote-queue-depth N]
+                  [NAME=TABLE_FILE ...]
   nbdmapper create NAME TABLE_FILE | remove [--force] NAME   [--control PATH]
   nbdmapper reload NAME TABLE_FILE | suspend NAME | resume NAME | clear NAME   [--control PATH]
   nbdmapper table [--inactive] NAME | info NAME | ls | message NAME SECTOR TEXT   [--control PATH]
-  nbdmapper check TABLE_FILE
+  nbdmapper check [--connect] TABLE_FILE
   nbdmapper attach [--connections N] [--block-size BYTES] [--follow D] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
   nbdmapper status [--table] [--metrics HOST:PORT|URL] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
                    [--user NAME --password-file FILE]   ask a running server, like dmsetup status/table
 
-With no arguments at all, nbdmapper serves a built-in demo.
+Table devices are paths, major:minor, /dev/mapper/NAME, or NBD URIs of other servers'
+exports: nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH, nbds://... and
+nbds+unix://... with TLS (?tls-certificates=DIR). With no arguments at all, nbdmapper
+serves a built-in demo.
 `
 
 // commands maps subcommand names to their entry points.
@@ -86,13 +91,28 @@ func main() {
 	}
 }
 
+// runCheck validates a table and prints it normalised. Remote devices (NBD
+// URIs) are checked for form only, unless --connect: then each is
+// connected to, read-only, and the table's areas checked against its size.
 func runCheck(args []string) error {
-	if len(args) != 1 {
+	fs := flag.NewFlagSet("check", flag.ContinueOnError)
+	connect := fs.Bool("connect", false, "connect to the remote exports the table names (read-only) and check their sizes")
+	var rf remoteFlags
+	rf.register(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
 		return fmt.Errorf("check needs exactly one TABLE_FILE\n%s", usage)
 	}
-	pool := &backing.Pool{ReadOnly: true}
+	if err := rf.check(); err != nil {
+		return err
+	}
+	s := rf.scheme(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})), nil)
+	s.Unconnected = !*connect
+	pool := &backing.Pool{ReadOnly: true, Schemes: []backing.Scheme{s}}
 	defer pool.Close()
-	t, err := loadTable(args[0], pool)
+	t, err := loadTable(fs.Arg(0), pool)
 	if err != nil {
 		return err
 	}
@@ -143,7 +163,14 @@ func runServe(args []string) error {
 	df.register(fs)
 	var lf limitFlags
 	lf.register(fs)
+	var procs procsFlag
+	procs.register(fs)
+	var rf remoteFlags
+	rf.register(fs)
 	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := rf.check(); err != nil {
 		return err
 	}
 	if sf.cpuProfile != "" {
@@ -172,11 +199,13 @@ func runServe(args []string) error {
 	// counted like any other.
 	srv := &nbdtarget.Server{Logger: log}
 	lf.apply(srv)
+	procs.apply(srv)
 	flusher := flush.New()
 	discarder := discard.New()
 	flusher.OnPanic, discarder.OnPanic = srv.Panicked, srv.Panicked
 	df.apply(discarder)
-	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track}
+	remotes := rf.scheme(log, srv.Panicked)
+	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track, Schemes: []backing.Scheme{remotes}}
 	defer pool.Close()
 
 	defs, err := exportDefs(specs, sf.tables)
@@ -217,18 +246,16 @@ func runServe(args []string) error {
 	if err != nil {
 		return err
 	}
-	if certs != nil {
-		defer reloadOnHUP(certs, log)()
-	}
-	listeners, metricsListener, err := serveListeners(sf)
+	ls, err := serveListeners(sf)
 	if err != nil {
 		return err
 	}
 	explicit := false
 	fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "control" })
-	stopControl, err := startControl(sf.control, explicit, log, devs, pool, srv, func(name string, t *table.Table) (*mapped.Device, error) {
+	ctl, stopControl, err := startControl(sf.control, explicit, ls.control, log, devs, pool, srv, func(name string, t *table.Table) (*mapped.Device, error) {
 		d := newDevice(name, t)
-		if err := srv.AddExport(&nbdtarget.Export{Name: name, Dev: d, ReadOnly: sf.readOnly}); err != nil {
+		x := &nbdtarget.Export{Name: name, Description: lf.descriptions[name], Dev: d, ReadOnly: sf.readOnly}
+		if err := srv.AddExport(x); err != nil {
 			return nil, err
 		}
 		log.Info("export", "name", name, "bytes", d.Size(), "segments", len(t.Lines))
@@ -238,18 +265,29 @@ func runServe(args []string) error {
 		return err
 	}
 	defer stopControl()
-	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, metricsListener, log, srv, flusher, discarder, statusRoutes(exports, flusher))
+	var onHUP []func()
+	if certs != nil {
+		onHUP = append(onHUP, func() { reloadCerts(certs, log) })
+	}
+	if sf.tables != "" {
+		td := newTablesDir(sf.tables, defs, ctl, log)
+		onHUP = append(onHUP, td.rescan)
+	}
+	if len(onHUP) > 0 {
+		defer handleHUP(onHUP)()
+	}
+	stopMetrics, err := startMetrics(sf.metrics, sf.metricsWeb, ls.metrics, log, srv, flusher, discarder, remotes, statusRoutes(srv.ExportList, flusher, remotes))
 	if err != nil {
 		return err
 	}
 	defer stopMetrics()
-	errc := make(chan error, len(listeners))
-	for _, l := range listeners {
+	errc := make(chan error, len(ls.nbd))
+	for _, l := range ls.nbd {
 		log.Info("listening", "addr", l.Addr().String())
 		go func() { errc <- srv.Serve(l) }()
 	}
 	if demo {
-		printDemoHelp(os.Stdout, listeners[0].Addr(), exports[0], defs[0].File)
+		printDemoHelp(os.Stdout, ls.nbd[0].Addr(), exports[0], defs[0].File)
 	}
 	systemd := notifyReady(log, srv)
 
@@ -272,7 +310,30 @@ func runServe(args []string) error {
 		return err
 	}
 	logStats(log, flusher, discarder)
+	logRemoteStats(log, remotes)
 	return failed
+}
+
+// handleHUP runs every action on each SIGHUP, in order, until stop is
+// called. Without it SIGHUP would end serve, as it ends any program that
+// does not handle it.
+func handleHUP(actions []func()) (stop func()) {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-hup:
+				for _, act := range actions {
+					act()
+				}
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() { signal.Stop(hup); close(done) }
 }
 
 func startCPUProfile(path string) (stop func(), err error) {

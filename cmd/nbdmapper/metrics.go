@@ -11,6 +11,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/metrics"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/remote"
 )
 
 // defaultMetricsAddr is where serve exposes /metrics unless --metrics says
@@ -24,11 +25,11 @@ const defaultMetricsAddr = "127.0.0.1:9810"
 // disables metrics; stop is then a no-op. The listener is opened here, so a
 // busy port is an error at startup rather than a log line later. A
 // listener l passed by systemd, if not nil, is served instead of addr.
-func startMetrics(addr, webConfig string, l net.Listener, log *slog.Logger, srv *nbdtarget.Server, f *flush.Engine, d *discard.Engine, routes map[string]http.Handler) (stop func(), err error) {
+func startMetrics(addr, webConfig string, l net.Listener, log *slog.Logger, srv *nbdtarget.Server, f *flush.Engine, d *discard.Engine, r *remote.Scheme, routes map[string]http.Handler) (stop func(), err error) {
 	if l == nil && (addr == "" || addr == "off") {
 		return func() {}, nil
 	}
-	m := metrics.New(metrics.Config{Server: srv, Flush: f, Discard: d})
+	m := metrics.New(metrics.Config{Server: srv, Flush: f, Discard: d, Remotes: r})
 	m.Routes = routes
 	if webConfig != "" {
 		if err := metrics.ValidateWebConfig(webConfig); err != nil {

@@ -11,18 +11,21 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/remote"
 )
 
 // statusRoutes serves what `dmsetup status` and `dmsetup table` print for
 // every device of a running server, as /status and /table on its HTTP
 // listener: `NAME: <start> <length> <target> <status or args>`. /status
 // also has one line for each failed backing device of an export, after its
-// table's lines: `NAME: failed <device>: <first error>` (see failedLines).
-func statusRoutes(exports []*nbdtarget.Export, f *flush.Engine) map[string]http.Handler {
+// table's lines: `NAME: failed <device>: <first error>` (see failedLines),
+// and one per remote export its table uses: `NAME: remote <URI>: up
+// connections 4/4 ...` (see remoteLines).
+func statusRoutes(exports func() []*nbdtarget.Export, f *flush.Engine, r *remote.Scheme) map[string]http.Handler {
 	page := func(lines func(*nbdtarget.Export) string) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-			for _, x := range exports {
+			for _, x := range exports() {
 				for _, line := range strings.SplitAfter(lines(x), "\n") {
 					if line != "" {
 						fmt.Fprintf(w, "%s: %s", x.Name, line)
@@ -32,8 +35,10 @@ func statusRoutes(exports []*nbdtarget.Export, f *flush.Engine) map[string]http.
 		})
 	}
 	return map[string]http.Handler{
-		"/status": page(func(x *nbdtarget.Export) string { return x.Dev.Table().Status() + failedLines(x, f) }),
-		"/table":  page(func(x *nbdtarget.Export) string { return x.Dev.Table().String() }),
+		"/status": page(func(x *nbdtarget.Export) string {
+			return x.Dev.Table().Status() + failedLines(x, f) + remoteLines(x.Dev.Devices(), r)
+		}),
+		"/table": page(func(x *nbdtarget.Export) string { return x.Dev.Table().String() }),
 	}
 }
 

@@ -43,7 +43,7 @@ func TestStatusShowsFailedDevice(t *testing.T) {
 		exports = append(exports, &nbdtarget.Export{Name: x.name, Dev: mapped.New(x.name, tb, e, discard.New())})
 	}
 	mux := http.NewServeMux()
-	for path, h := range statusRoutes(exports, e) {
+	for path, h := range statusRoutes(func() []*nbdtarget.Export { return exports }, e, nil) {
 		mux.Handle(path, h)
 	}
 	srv := httptest.NewServer(mux)

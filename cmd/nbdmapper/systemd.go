@@ -22,10 +22,13 @@ import (
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
 
-// metricsFDName is the FileDescriptorName= (LISTEN_FDNAMES entry) of a
-// passed socket that serves /metrics, /status and /table; every other
-// passed socket serves NBD.
-const metricsFDName = "metrics"
+// FileDescriptorName= (LISTEN_FDNAMES entries) of passed sockets that are
+// not NBD: metricsFDName serves /metrics, /status and /table, controlFDName
+// is the control socket. Every other passed socket serves NBD.
+const (
+	metricsFDName = "metrics"
+	controlFDName = "control"
+)
 
 // statusEvery is how often the STATUS= line is refreshed (it is sent only
 // when it changed).
@@ -33,33 +36,42 @@ const statusEvery = 5 * time.Second
 
 var errSocketConflict = errors.New("--socket and --listen cannot be used with sockets passed by systemd")
 
-// serveListeners returns the NBD listeners and, if systemd passed one, the
-// metrics listener. Sockets passed by systemd (LISTEN_FDS) win; without
-// NBD sockets among them, serve listens on --socket/--listen itself.
-func serveListeners(sf serveFlags) (nbd []net.Listener, metrics net.Listener, err error) {
-	nbd, metrics, err = activatedListeners()
+// listeners are what serve listens on.
+type listeners struct {
+	nbd     []net.Listener
+	metrics net.Listener // passed by systemd, or nil
+	control net.Listener // passed by systemd, or nil
+}
+
+func (ls listeners) close() { closeAll(append(ls.nbd, ls.metrics, ls.control)) }
+
+// serveListeners returns the NBD listeners and any metrics or control
+// listener systemd passed. Sockets passed by systemd (LISTEN_FDS) win;
+// without NBD sockets among them, serve listens on --socket/--listen
+// itself.
+func serveListeners(sf serveFlags) (listeners, error) {
+	ls, err := activatedListeners()
 	if err != nil {
-		return nil, nil, err
+		return listeners{}, err
 	}
-	if len(nbd) > 0 {
+	if len(ls.nbd) > 0 {
 		if sf.socket != "" || sf.listen != "" {
-			closeAll(append(nbd, metrics))
-			return nil, nil, errSocketConflict
+			ls.close()
+			return listeners{}, errSocketConflict
 		}
-		return nbd, metrics, nil
+		return ls, nil
 	}
-	nbd, err = listen(sf)
-	if err != nil {
-		closeAll([]net.Listener{metrics})
-		return nil, nil, err
+	if ls.nbd, err = listen(sf); err != nil {
+		ls.close()
+		return listeners{}, err
 	}
-	return nbd, metrics, nil
+	return ls, nil
 }
 
 // activatedListeners turns the sockets systemd passed into listeners,
 // sorted by their names. It unsets LISTEN_FDS, LISTEN_PID and
 // LISTEN_FDNAMES, so they are taken once.
-func activatedListeners() (nbd []net.Listener, metrics net.Listener, err error) {
+func activatedListeners() (ls listeners, err error) {
 	files := activation.Files(true)
 	defer func() {
 		for _, f := range files {
@@ -69,21 +81,22 @@ func activatedListeners() (nbd []net.Listener, metrics net.Listener, err error) 
 	for _, f := range files {
 		name, fd := f.Name(), f.Fd()
 		l, err := net.FileListener(f)
-		if err == nil && name == metricsFDName && metrics != nil {
+		one := map[string]*net.Listener{metricsFDName: &ls.metrics, controlFDName: &ls.control}[name]
+		if err == nil && one != nil && *one != nil {
 			l.Close()
-			err = fmt.Errorf("more than one socket named %q", metricsFDName)
+			err = fmt.Errorf("more than one socket named %q", name)
 		}
 		if err != nil {
-			closeAll(append(nbd, metrics))
-			return nil, nil, fmt.Errorf("socket %q (fd %d) from systemd: %w", name, fd, err)
+			ls.close()
+			return listeners{}, fmt.Errorf("socket %q (fd %d) from systemd: %w", name, fd, err)
 		}
-		if name == metricsFDName {
-			metrics = l
+		if one != nil {
+			*one = l
 		} else {
-			nbd = append(nbd, l)
+			ls.nbd = append(ls.nbd, l)
 		}
 	}
-	return nbd, metrics, nil
+	return ls, nil
 }
 
 func closeAll(ls []net.Listener) {

@@ -54,7 +54,7 @@ func TestSocketActivation(t *testing.T) {
 	}
 
 	notify := listenNotify(t, filepath.Join(dir, "notify"))
-	nbdSock, metricsSock := filepath.Join(dir, "nbd.sock"), filepath.Join(dir, "metrics.sock")
+	nbdSock, metricsSock, ctlSock := filepath.Join(dir, "nbd.sock"), filepath.Join(dir, "metrics.sock"), filepath.Join(dir, "control")
 
 	// systemd-socket-activate cannot bind port 0, but it passes on sockets
 	// it was given (LISTEN_FDS, checked against LISTEN_PID, which the
@@ -77,7 +77,7 @@ func TestSocketActivation(t *testing.T) {
 	}
 	defer logFile.Close()
 	cmd := exec.Command("sh", "-c", `LISTEN_PID=$$ exec "$@"`, "sh",
-		activate, "-l", nbdSock, "-l", metricsSock, "--fdname=nbd:nbd:"+metricsFDName,
+		activate, "-l", nbdSock, "-l", metricsSock, "-l", ctlSock, "--fdname=nbd:nbd:"+metricsFDName+":"+controlFDName,
 		"-E", "NOTIFY_SOCKET="+notify.path, "-E", "WATCHDOG_USEC=400000",
 		bin, "serve", "--tables", "tables")
 	cmd.Dir = dir
@@ -131,14 +131,22 @@ func TestSocketActivation(t *testing.T) {
 	}
 	metrics.CloseIdleConnections()
 
+	// The passed control socket is serve's, though not named by --control.
+	if out, err := exec.Command(bin, "ls", "--control", ctlSock).CombinedOutput(); err != nil ||
+		string(out) != "base\t(4194304 bytes)\ntop\t(1048576 bytes)\n" {
+		t.Errorf("nbdmapper ls on the passed control socket: %v\n%s", err, out)
+	}
+
 	cmd.Process.Signal(syscall.SIGTERM)
 	notify.await(t, "STOPPING=1", exited, serveLog)
 	<-exited
 	if waitErr != nil {
 		t.Fatalf("serve exited with %v after SIGTERM\n%s", waitErr, serveLog())
 	}
-	if _, err := os.Stat(nbdSock); err != nil {
-		t.Errorf("serve removed the socket it was passed: %v", err)
+	for _, sock := range []string{nbdSock, ctlSock} {
+		if _, err := os.Stat(sock); err != nil {
+			t.Errorf("serve removed a socket it was passed: %v", err)
+		}
 	}
 }
 

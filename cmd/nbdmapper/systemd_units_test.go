@@ -19,7 +19,7 @@ const (
 	systemdDocFile = "../../docs/systemd.md"
 )
 
-var unitFiles = []string{"nbdmapper.service", "nbdmapper.socket", "nbdmapper-metrics.socket"}
+var unitFiles = []string{"nbdmapper.service", "nbdmapper.socket", "nbdmapper-metrics.socket", "nbdmapper-control.socket"}
 
 // installUnits copies the unit files into a temporary directory with
 // ExecStart pointing at the binary built for the tests, because

@@ -5,11 +5,8 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
-	"os"
-	"os/signal"
 	"slices"
 	"strings"
-	"syscall"
 
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
@@ -113,25 +110,12 @@ func (a *accessFlag) Set(s string) error {
 	return nil
 }
 
-// reloadOnHUP re-reads the certificates on every SIGHUP until stop is
-// called. Connections already up keep their TLS sessions.
-func reloadOnHUP(certs *nbdtarget.Certs, log *slog.Logger) (stop func()) {
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	done := make(chan struct{})
-	go func() {
-		for {
-			select {
-			case <-hup:
-				if err := certs.Reload(); err != nil {
-					log.Error("SIGHUP: keeping the certificates loaded before", "err", err)
-					continue
-				}
-				log.Info("SIGHUP: certificates reloaded")
-			case <-done:
-				return
-			}
-		}
-	}()
-	return func() { signal.Stop(hup); close(done) }
+// reloadCerts re-reads the certificates (on SIGHUP). Connections already
+// up keep their TLS sessions.
+func reloadCerts(certs *nbdtarget.Certs, log *slog.Logger) {
+	if err := certs.Reload(); err != nil {
+		log.Error("SIGHUP: keeping the certificates loaded before", "err", err)
+		return
+	}
+	log.Info("SIGHUP: certificates reloaded")
 }

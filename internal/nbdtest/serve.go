@@ -175,14 +175,9 @@ type Servable interface {
 // path is limited to 108 bytes and test names are long.
 func ServeUnix(t testing.TB, srv Servable, closed error) string {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "nbdtest")
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(dir, "s")
+	sock := filepath.Join(ShortDir(t), "s")
 	l, err := net.Listen("unix", sock)
 	if err != nil {
-		os.RemoveAll(dir)
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
@@ -194,7 +189,19 @@ func ServeUnix(t testing.TB, srv Servable, closed error) string {
 		if err := <-done; !errors.Is(err, closed) {
 			t.Errorf("Serve returned %v, want %v", err, closed)
 		}
-		os.RemoveAll(dir)
 	})
 	return sock
+}
+
+// ShortDir is a new directory under the system's temporary directory,
+// removed when the test ends, for unix sockets: a socket's path is limited
+// to 108 bytes, and t.TempDir's paths, named after the test, are long.
+func ShortDir(t testing.TB) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "nbdt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
 }

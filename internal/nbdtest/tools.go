@@ -52,6 +52,7 @@ var debianPackage = map[string]string{
 	"promtool": "prometheus",
 	"qemu-img": "qemu-utils",
 	"qemu-io":  "qemu-utils",
+	"qemu-nbd": "qemu-utils",
 
 	"systemd-analyze":         "systemd",
 	"systemd-socket-activate": "systemd",

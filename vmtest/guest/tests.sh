@@ -22,22 +22,23 @@ cleanup() {
 	"$NBDMAPPER" detach /dev/nbd1 >/dev/null 2>&1
 	detach /dev/nbd0 >/dev/null 2>&1
 	unserve
+	remote_stop
 }
 
-# 1. A filesystem on a 1024-segment table: mkfs (which discards), files,
-# fsck, and the files' checksums after a restart of the server.
-test_fs() {
-	serve "$table" && attach || return 1
+# fs_make N BIG SUMS: a fresh filesystem on /dev/nbd0 holding N small files
+# and one of BIG bytes, their checksums written to SUMS; fsck'd clean after
+# unmounting.
+fs_make() {
+	local n=$1 big=$2 sums=$3 i
 	mkfs.ext4 -q -F /dev/nbd0 || return 1
 	mkdir -p /tmp/mnt
 	mount /dev/nbd0 /tmp/mnt || return 1
 	mkdir -p /tmp/mnt/a/b/c
-	local i
-	for ((i = 0; i < 24; i++)); do
+	for ((i = 0; i < n; i++)); do
 		head -c $(((i * 7919) % 3000000 + 1)) /dev/urandom >"/tmp/mnt/a/f$i"
 	done
-	head -c 20000000 /dev/urandom >/tmp/mnt/a/b/c/big
-	(cd /tmp/mnt && find . -type f | sort | xargs sha256sum) >/tmp/sums
+	head -c "$big" /dev/urandom >/tmp/mnt/a/b/c/big
+	(cd /tmp/mnt && find . -type f | sort | xargs sha256sum) >"$sums"
 	sync
 	umount /tmp/mnt || return 1
 	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
@@ -45,21 +46,35 @@ test_fs() {
 		say "e2fsck found errors"
 		return 1
 	}
+}
+
+# fs_check SUMS: /dev/nbd0 fscks clean and its files have the checksums in
+# SUMS.
+fs_check() {
+	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
+		cat /tmp/fsck.log
+		say "e2fsck after restart found errors"
+		return 1
+	}
+	mkdir -p /tmp/mnt
+	mount /dev/nbd0 /tmp/mnt || return 1
+	(cd /tmp/mnt && sha256sum --quiet -c "$1") || return 1
+	umount /tmp/mnt
+}
+
+# 1. A filesystem on a 1024-segment table: mkfs (which discards), files,
+# fsck, and the files' checksums after a restart of the server.
+test_fs() {
+	serve "$table" && attach || return 1
+	fs_make 24 20000000 /tmp/sums || return 1
 	detach
 	unserve
 	# a new server process and cold caches: the data must come from the disk
 	# (attached with four connections this time)
 	echo 3 >/proc/sys/vm/drop_caches
 	serve "$table" && attach /dev/nbd0 --connections 4 || return 1
-	e2fsck -fn /dev/nbd0 >/tmp/fsck.log 2>&1 || {
-		cat /tmp/fsck.log
-		say "e2fsck after restart found errors"
-		return 1
-	}
-	mount /dev/nbd0 /tmp/mnt || return 1
-	(cd /tmp/mnt && sha256sum --quiet -c /tmp/sums) || return 1
+	fs_check /tmp/sums || return 1
 	metric fs_files "$(wc -l </tmp/sums)"
-	umount /tmp/mnt
 }
 
 # 2. The kernel's dm-linear over the same table reads what nbdmapper wrote,
@@ -463,7 +478,80 @@ test_live_snapshot() {
 	[ "$kern" = "$before" ] || { say "the kernel reads the live snapshot's COW store differently"; return 1; }
 }
 
-all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot lifecycle live_snapshot)
+# Remote segments. The guest has no network, so its four "remote hosts"
+# are nbdkits inside it, each serving a 64 MiB quarter of the scratch disk
+# (offset filter), three on unix sockets and one on loopback TCP; a
+# striped table over the four, and a linear table of 1024 segments spread
+# over them, are each attached as /dev/nbd0: mkfs, files, fsck, and fsck
+# and checksums again after nbdmapper restarts.
+remote_pids=()
+
+remote_start() {
+	command -v nbdkit >/dev/null || { say "SKIP no nbdkit"; return 77; }
+	ip link set lo up 2>/dev/null
+	local i listen
+	remote_uris=()
+	for i in 0 1 2 3; do
+		rm -f "/tmp/r$i.sock"
+		if [ $i = 3 ] && ip -4 addr show lo 2>/dev/null | grep -q 127.0.0.1; then
+			listen=(-i 127.0.0.1 -p 10809)
+			remote_uris+=("nbd://127.0.0.1:10809/")
+		else
+			listen=(-U "/tmp/r$i.sock")
+			remote_uris+=("nbd+unix:///?socket=/tmp/r$i.sock")
+		fi
+		nbdkit -f "${listen[@]}" --filter=offset --filter=log file "$disk" \
+			offset=$((i * 64))M range=64M logfile="/tmp/r$i.log" logappend=true >>/tmp/nbdkit.log 2>&1 &
+		remote_pids+=($!)
+	done
+	for ((i = 0; i < 300; i++)); do
+		[ "$(cat /tmp/r?.log 2>/dev/null | grep -c ' Ready ')" -ge 4 ] && return 0
+		sleep 0.1
+	done
+	say "the nbdkit remotes did not start:"
+	cat /tmp/nbdkit.log
+	return 1
+}
+
+remote_stop() {
+	local p
+	for p in "${remote_pids[@]}"; do kill "$p" 2>/dev/null; done
+	for p in "${remote_pids[@]}"; do wait "$p" 2>/dev/null; done
+	remote_pids=()
+}
+
+# remote_fs TABLE: a filesystem through /dev/nbd0 on TABLE, checked after
+# a restart of nbdmapper.
+remote_fs() {
+	serve "$1" && attach /dev/nbd0 --connections 2 || return 1
+	fs_make 12 30000000 /tmp/rsums || return 1
+	detach
+	unserve
+	echo 3 >/proc/sys/vm/drop_caches
+	serve "$1" && attach || return 1
+	fs_check /tmp/rsums || return 1
+	detach
+	unserve
+}
+
+test_remote() {
+	remote_start || return $?
+	say "remotes: ${remote_uris[*]}"
+	local quarter=$((64 << 11)) i
+	echo "0 $((4 * quarter)) striped 4 128 ${remote_uris[0]} 0 ${remote_uris[1]} 0 ${remote_uris[2]} 0 ${remote_uris[3]} 0" >/tmp/remote-striped
+	: >/tmp/remote-linear
+	for ((i = 0; i < 1024; i++)); do
+		echo "$((i * 512)) 512 linear ${remote_uris[i % 4]} $(((i / 4 * 389 % 256) * 512))" >>/tmp/remote-linear
+	done
+	remote_fs /tmp/remote-striped || return 1
+	local f0 f
+	f0=$(cat /tmp/r?.log | grep -c ' Flush id=')
+	remote_fs /tmp/remote-linear || return 1
+	f=$(($(cat /tmp/r?.log | grep -c ' Flush id=') - f0))
+	metric remote_linear_remote_flushes "$f"
+}
+
+all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot lifecycle live_snapshot remote)
 [ $# -gt 0 ] && all=("$@")
 if [ ! -x "$NBDMAPPER" ]; then
 	for t in "${all[@]}"; do result "$t" FAIL "no nbdmapper binary (did go build fail?)"; done

@@ -1,0 +1,74 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
+)
+
+// procsFlag is serve's --procs: how many CPUs run Go code at once
+// (GOMAXPROCS), a number or "auto".
+//
+// auto sizes it to the clients: one per connection in the transmission
+// phase, between 1 and the CPUs the process may use. A connection's
+// requests are decoded one at a time and spend their time in system calls
+// (pread, pwrite, fdatasync, the socket), which run on threads of their
+// own without a P; the Go code around them is short. A second P then buys
+// one connection nothing but idle Ps spinning for work and threads woken
+// to find none, on every request, which on a small machine is CPU taken
+// from the client and latency added to each request (docs/benchmarks.md).
+// Several connections do run Go code in parallel, so they get more.
+// GOMAXPROCS in the environment wins over auto, as it does for any Go
+// program.
+type procsFlag struct{ n int } // 0: auto
+
+func (p *procsFlag) String() string {
+	if p.n == 0 {
+		return "auto"
+	}
+	return strconv.Itoa(p.n)
+}
+
+func (p *procsFlag) Set(s string) error {
+	if s == "auto" {
+		p.n = 0
+		return nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 {
+		return fmt.Errorf("want auto or a positive number, got %q", s)
+	}
+	p.n = n
+	return nil
+}
+
+func (p *procsFlag) register(fs *flag.FlagSet) {
+	fs.Var(p, "procs", "CPUs running Go code at once (GOMAXPROCS): N, or auto for one per connection up to the CPUs available")
+}
+
+// apply sets GOMAXPROCS for a fixed --procs, or makes srv adjust it to its
+// connections.
+func (p *procsFlag) apply(srv *nbdtarget.Server) {
+	switch {
+	case p.n > 0:
+		runtime.GOMAXPROCS(p.n)
+	case os.Getenv("GOMAXPROCS") == "":
+		srv.OnActive = procsFor(runtime.GOMAXPROCS(0), runtime.GOMAXPROCS)
+	}
+}
+
+// procsFor returns an OnActive hook that calls set with one P per
+// connection, between 1 and most, whenever that number changes.
+func procsFor(most int, set func(int) int) func(conns int) {
+	cur := 0
+	return func(conns int) {
+		if n := min(max(conns, 1), most); n != cur {
+			set(n)
+			cur = n
+		}
+	}
+}

@@ -1,0 +1,113 @@
+package discard_test
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+)
+
+// gated is a recorded in-memory device whose first discard is held by a
+// gateDev until the test releases it.
+func gated(name string) (*gateDev, *backing.Recorder) {
+	g := &gateDev{Device: backing.NewMem(name, 1<<20), entered: make(chan struct{}), release: make(chan struct{})}
+	return g, backing.NewRecorder(g)
+}
+
+// trimAsync runs eng.Discard(exts) on its own goroutine.
+func trimAsync(eng *discard.Engine, exts ...discard.Extent) chan error {
+	done := make(chan error, 1)
+	go func() { done <- eng.Discard(exts) }()
+	return done
+}
+
+// With nothing in flight a trim is issued at once, on its own; the trims
+// that arrive while it runs gather, and go out as one merged batch as soon
+// as it completes.
+func TestGroupCommit(t *testing.T) {
+	eng := discard.New()
+	gate, rec := gated("a")
+	first := trimAsync(eng, ext(rec, 0, 64<<10))
+	nbdtest.Recv(t, gate.entered, "the first trim to reach the device")
+
+	var rest []chan error
+	for i := range 8 {
+		rest = append(rest, trimAsync(eng, ext(rec, int64(i+1)*64<<10, 64<<10)))
+	}
+	waitRangesIn(t, eng, 9)
+	if n := len(discards(rec)); n != 1 {
+		t.Fatalf("%d discard calls while the first was running, want 1: the others must wait for it", n)
+	}
+	close(gate.release)
+	for i, c := range append([]chan error{first}, rest...) {
+		if err := nbdtest.Recv(t, c, "a trim"); err != nil {
+			t.Fatalf("trim %d: %v", i, err)
+		}
+	}
+	want := []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 64 << 10, Len: 8 * 64 << 10}}
+	if got := discards(rec); !slices.Equal(got, want) {
+		t.Errorf("discard calls %v, want the first alone and the other eight merged: %v", got, want)
+	}
+}
+
+// A gathering batch waits only for the discards that were in flight when
+// it began, not for ones issued after it (a long trim's pieces, a batch
+// that filled up): otherwise discards that keep overlapping would hold it
+// back for ever.
+func TestGroupCommitWaitsOnlyForEarlier(t *testing.T) {
+	eng := discard.New()
+	gateA, a := gated("a")
+	gateB, b := gated("b")
+	first := trimAsync(eng, ext(a, 0, 64<<10))
+	nbdtest.Recv(t, gateA.entered, "the first trim to reach device a")
+	gathering := trimAsync(eng, ext(a, 128<<10, 64<<10))
+	waitRangesIn(t, eng, 2)
+	later := make(chan error, 1)
+	go func() { later <- eng.DiscardNow([]discard.Extent{ext(b, 0, 64<<10)}) }()
+	nbdtest.Recv(t, gateB.entered, "the later discard to reach device b")
+
+	close(gateA.release)
+	if err := nbdtest.Recv(t, first, "the first trim"); err != nil {
+		t.Fatal(err)
+	}
+	if err := nbdtest.Recv(t, gathering, "the gathered trim, while a later discard is still in flight"); err != nil {
+		t.Fatal(err)
+	}
+	close(gateB.release)
+	if err := nbdtest.Recv(t, later, "the later discard"); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := discards(a), []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 128 << 10, Len: 64 << 10}}; !slices.Equal(got, want) {
+		t.Errorf("device a discards %v, want %v", got, want)
+	}
+}
+
+// A batch that fills up while it waits for its turn is issued at once by
+// the trim that filled it; the batch's first trim, still waiting for its
+// turn, is answered with the batch.
+func TestGroupCommitFullBatch(t *testing.T) {
+	eng := discard.New()
+	eng.MaxRanges = 4
+	gate, rec := gated("a")
+	first := trimAsync(eng, ext(rec, 0, 64<<10))
+	nbdtest.Recv(t, gate.entered, "the first trim to reach the device")
+	var batch []chan error
+	for i := range 4 {
+		batch = append(batch, trimAsync(eng, ext(rec, int64(i+2)*64<<10, 64<<10)))
+	}
+	for i, c := range batch {
+		if err := nbdtest.Recv(t, c, "a trim of the full batch, while the first is held"); err != nil {
+			t.Fatalf("trim %d: %v", i, err)
+		}
+	}
+	close(gate.release)
+	if err := nbdtest.Recv(t, first, "the first trim"); err != nil {
+		t.Fatal(err)
+	}
+	want := []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 128 << 10, Len: 4 * 64 << 10}}
+	if got := discards(rec); !slices.Equal(got, want) {
+		t.Errorf("discard calls %v, want %v", got, want)
+	}
+}

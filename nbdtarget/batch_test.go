@@ -1,0 +1,154 @@
+package nbdtarget
+
+import (
+	"fmt"
+	"net"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+)
+
+// countingServer serves on a listener whose connections count the writes
+// the server makes to them: one per system call.
+type countingServer struct {
+	*Server
+	writes atomic.Int64
+}
+
+func (s *countingServer) Serve(l net.Listener) error { return s.Server.Serve(countingListener{l, s}) }
+
+type countingListener struct {
+	net.Listener
+	s *countingServer
+}
+
+func (l countingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return countingConn{c, l.s}, nil
+}
+
+type countingConn struct {
+	net.Conn
+	s *countingServer
+}
+
+func (c countingConn) Write(p []byte) (int, error) {
+	c.s.writes.Add(1)
+	return c.Conn.Write(p)
+}
+
+// Requests that arrive together are answered together: with one worker,
+// which runs them one after another, the replies to 32 reads sent in one
+// write (all of them fitting the 64 KiB write buffer) wait in it until the
+// last read is in hand, then go out in one write (and the last reply in
+// another).
+func TestRepliesBatched(t *testing.T) {
+	srv := &countingServer{Server: &Server{MaxInFlight: 1}}
+	f := newTFixOn(t, srv.Server, srv)
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	before := srv.writes.Load()
+	const n = 32
+	var reqs []byte
+	for h := range uint64(n) {
+		reqs = encodeRequest(reqs, request{Type: cmdRead, Handle: h, Offset: offA, Length: 512})
+	}
+	c.write(reqs)
+	for range n {
+		if _, e, _ := c.simple(512); e != 0 {
+			t.Fatalf("read: errno %d", e)
+		}
+	}
+	if w := srv.writes.Load() - before; w > 2 {
+		t.Errorf("%d replies took %d writes, want at most 2", n, w)
+	}
+}
+
+// A reply is held back only while the connection has another request in
+// hand, never while that request runs or the server waits for the client.
+// With one worker, a read sent together with one that blocks in its device
+// runs first and its reply waits for the second to be read: it must go out
+// before the second runs. A read sent alone, while another blocks, is
+// answered at once.
+func TestRepliesNotHeldBehindSlowRequest(t *testing.T) {
+	t.Run("sent together", func(t *testing.T) {
+		f := newTFix(t, &Server{MaxInFlight: 1})
+		open := opener(t, f.gate)
+		c := dialRaw(t, f.sock)
+		c.connect("t", false, false)
+		reqs := encodeRequest(nil, request{Type: cmdRead, Handle: 1, Offset: offA, Length: 4096})
+		reqs = encodeRequest(reqs, request{Type: cmdRead, Handle: 2, Offset: offGate, Length: 4096})
+		c.write(reqs)
+		if h, e, _ := c.simple(4096); h != 1 || e != 0 {
+			t.Fatalf("reply handle %d errno %d, want the fast read's while the other is blocked", h, e)
+		}
+		open()
+		if h, e, _ := c.simple(4096); h != 2 || e != 0 {
+			t.Fatalf("gated read: handle %d errno %d", h, e)
+		}
+	})
+	t.Run("sent alone", func(t *testing.T) {
+		f := newTFix(t, nil)
+		open := opener(t, f.gate)
+		c := dialRaw(t, f.sock)
+		c.connect("t", false, false)
+		c.request(cmdRead, 0, 1, offGate, 4096, nil)
+		nbdtest.Recv(t, f.gate.entered, "the gated read to reach its device")
+		c.request(cmdRead, 0, 2, offA, 4096, nil)
+		if h, e, _ := c.simple(4096); h != 2 || e != 0 {
+			t.Fatalf("reply handle %d errno %d, want the lone read's while the other is blocked", h, e)
+		}
+		open()
+		if h, e, _ := c.simple(4096); h != 1 || e != 0 {
+			t.Fatalf("gated read: handle %d errno %d", h, e)
+		}
+	})
+}
+
+// opener returns a func that opens g once; a test that fails before it
+// does opens it when it ends, ahead of the Shutdown that waits for the
+// gated request.
+func opener(t *testing.T, g *gateDev) func() {
+	var once sync.Once
+	open := func() { once.Do(func() { close(g.release) }) }
+	t.Cleanup(open)
+	return open
+}
+
+// OnActive follows the connections in transmission, in order: a client
+// that never gets past the handshake does not count.
+func TestOnActive(t *testing.T) {
+	var mu sync.Mutex
+	var seen []int
+	srv := &Server{OnActive: func(n int) { mu.Lock(); seen = append(seen, n); mu.Unlock() }}
+	f := newTFix(t, srv)
+	got := func(want ...int) {
+		t.Helper()
+		nbdtest.Until(t, "OnActive calls to be "+fmt.Sprint(want), func() bool {
+			mu.Lock()
+			defer mu.Unlock()
+			return slices.Equal(seen, want)
+		})
+	}
+	a, b := dialRaw(t, f.sock), dialRaw(t, f.sock)
+	a.connect("t", false, false)
+	got(1)
+	bad := dialRaw(t, f.sock)
+	bad.greet(3)
+	bad.option(1, []byte("no such export")) // EXPORT_NAME: the server hangs up
+	if !bad.closed() {
+		t.Fatal("EXPORT_NAME of an unknown export left the connection open")
+	}
+	b.connect("ro", false, false)
+	got(1, 2)
+	a.nc.Close()
+	got(1, 2, 1)
+	b.request(cmdDisc, 0, 0, 0, 0, nil)
+	got(1, 2, 1, 0)
+}

@@ -1,0 +1,118 @@
+package remote
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+)
+
+// Scheme opens NBD URIs for a backing.Pool (backing.Scheme), which asks it
+// before it takes a name for a path: cmd/nbdmapper installs one, so that
+// backing needs no network and this package is the only one that dials.
+// Its identity for an export is the URI's normal form, so the Pool opens
+// each remote export once however many lines, tables and spellings name
+// it.
+type Scheme struct {
+	Options Options
+	// Unconnected makes Open return devices that do not connect, for
+	// checking a table's syntax: their size is the largest a table can
+	// map, and every I/O fails.
+	Unconnected bool
+
+	mu      sync.Mutex
+	devs    []*Device
+	observe atomic.Pointer[func(device, op string, d time.Duration)]
+}
+
+var _ backing.Scheme = (*Scheme)(nil)
+
+// Identify claims every name written as an NBD URI (IsURI); a malformed
+// one is an error naming what is wrong.
+func (s *Scheme) Identify(name string) (backing.ID, bool, error) {
+	if !IsURI(name) {
+		return backing.ID{}, false, nil
+	}
+	u, err := ParseURI(name)
+	if err != nil {
+		return backing.ID{}, true, err
+	}
+	return backing.ID{URI: u.String()}, true, nil
+}
+
+// Open connects to the export name names (see Open).
+func (s *Scheme) Open(name string, readOnly bool) (backing.Device, error) {
+	u, err := ParseURI(name)
+	if err != nil {
+		return nil, err
+	}
+	if s.Unconnected {
+		return &unconnected{name: name, id: backing.ID{URI: u.String()}}, nil
+	}
+	d, err := Open(name, u, readOnly, s.Options)
+	if err != nil {
+		return nil, err
+	}
+	d.observe.Store(s.observe.Load())
+	s.mu.Lock()
+	s.devs = append(s.devs, d)
+	s.mu.Unlock()
+	return d, nil
+}
+
+// Observe sets a function called after every request's last reply with
+// the device's name, the op and the round trip (the metrics package fills
+// a histogram from it). It may be set at any time.
+func (s *Scheme) Observe(fn func(device, op string, d time.Duration)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.observe.Store(&fn)
+	for _, d := range s.devs {
+		d.observe.Store(&fn)
+	}
+}
+
+// Devices lists the remote devices opened, in order.
+func (s *Scheme) Devices() []*Device {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]*Device(nil), s.devs...)
+}
+
+// Stats returns every opened device's counters, in order of opening.
+func (s *Scheme) Stats() []Stats {
+	devs := s.Devices()
+	out := make([]Stats, len(devs))
+	for i, d := range devs {
+		out[i] = d.Stats()
+	}
+	return out
+}
+
+// errUnconnected fails I/O on a device opened by an Unconnected scheme.
+var errUnconnected = errors.New("not connected: the table was only checked")
+
+// unconnected stands in for a remote export while a table is checked
+// without connecting: nothing is known of it but its name.
+type unconnected struct {
+	name string
+	id   backing.ID
+}
+
+func (u *unconnected) err() error { return fmt.Errorf("%s: %w", u.name, errUnconnected) }
+
+func (u *unconnected) Name() string                                { return u.name }
+func (u *unconnected) ID() backing.ID                              { return u.id }
+func (u *unconnected) Size() int64                                 { return math.MaxInt64 / 512 * 512 }
+func (u *unconnected) ReadAt([]byte, int64) (int, error)           { return 0, u.err() }
+func (u *unconnected) WriteAt([]byte, int64) (int, error)          { return 0, u.err() }
+func (u *unconnected) Sync() error                                 { return u.err() }
+func (u *unconnected) Discard(int64, int64) error                  { return u.err() }
+func (u *unconnected) Zero(int64, int64, bool) error               { return u.err() }
+func (u *unconnected) Holes(int64, int64) ([]backing.Range, error) { return nil, u.err() }
+func (u *unconnected) Limits() backing.Limits                      { return backing.Limits{Granularity: 1} }
+func (u *unconnected) Close() error                                { return nil }
