@@ -181,8 +181,10 @@ func TestPoolSchemes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := f.(*File); !ok || len(p.Devices()) != 2 {
+	if h, ok := f.(*HoleMap); !ok || len(p.Devices()) != 2 {
 		t.Fatalf("a path beside a scheme: %T, %d devices", f, len(p.Devices()))
+	} else if _, ok := h.Unwrap().(*File); !ok {
+		t.Fatalf("a path beside a scheme: a hole map over %T", h.Unwrap())
 	}
 	if id := a.(*Mem).ID(); id.String() == "" {
 		t.Fatal("empty ID string")

@@ -9,8 +9,9 @@ type Cacher interface {
 }
 
 // Wrapper is implemented by devices that wrap another one (embedding it and
-// overriding some methods), so that helpers such as Cache can reach an
-// optional method of the device inside.
+// overriding some methods), so that helpers such as Cache and ReadSparse
+// can reach an optional method of the device inside. A Wrapper must not
+// change what reads of the device return: those helpers go past it.
 type Wrapper interface {
 	Unwrap() Device
 }

@@ -190,6 +190,41 @@ func (f *Faulty) ReadAt(p []byte, off int64) (int, error) {
 	return n, nil
 }
 
+// Holes reports the inner device's holes less the ranges of volatile
+// writes, discards and zeroings, which read from the cache: as data (a
+// cached discard reads as zeros, but calling it data is always safe).
+func (f *Faulty) Holes(off, n int64) ([]Range, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	holes, err := f.Device.Holes(off, n)
+	if err != nil || len(f.pending) == 0 {
+		return holes, err
+	}
+	var out []Range
+	for _, h := range holes {
+		pieces := []Range{h}
+		for _, op := range f.pending {
+			var next []Range
+			for _, p := range pieces {
+				lo, hi := max(p.Off, op.off), min(p.End(), op.off+op.n)
+				if lo >= hi {
+					next = append(next, p)
+					continue
+				}
+				if p.Off < lo {
+					next = append(next, Range{Off: p.Off, Len: lo - p.Off})
+				}
+				if hi < p.End() {
+					next = append(next, Range{Off: hi, Len: p.End() - hi})
+				}
+			}
+			pieces = next
+		}
+		out = append(out, pieces...)
+	}
+	return out, nil
+}
+
 // Sync applies the writes that were volatile when it was called to the inner
 // device, in order, then syncs it. On an injected or real error the writes
 // stay volatile.

@@ -3,6 +3,7 @@ package backing
 import (
 	"bytes"
 	"errors"
+	"slices"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -183,5 +184,27 @@ func TestFaultyBeforeSyncNil(t *testing.T) {
 	f.BeforeSync(nil)
 	if err := f.Sync(); err != nil || calls != 1 {
 		t.Fatalf("Sync after BeforeSync(nil): %v, hook ran %d times, want once", err, calls)
+	}
+}
+
+// TestFaultyHoles: volatile writes hide the holes below them until a Sync
+// applies them; a volatile discard reads as data until then.
+func TestFaultyHoles(t *testing.T) {
+	inner := NewMem("m", 64<<10)
+	inner.WriteAt(make([]byte, 4096), 32<<10) // data at 32K+4K
+	f := NewFaulty(inner)
+	f.WriteAt([]byte("x"), 4096+10)
+	f.Discard(32<<10, 4096)
+	got, err := f.Holes(0, 64<<10)
+	want := []Range{{0, 4106}, {4107, 32<<10 - 4107}, {36 << 10, 28 << 10}}
+	if err != nil || !slices.Equal(got, want) {
+		t.Fatalf("holes %v, %v; want %v", got, err, want)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	got, _ = f.Holes(0, 64<<10)
+	if want := []Range{{0, 4096}, {8192, 56 << 10}}; !slices.Equal(got, want) {
+		t.Fatalf("after sync: holes %v; want %v", got, want)
 	}
 }

@@ -25,6 +25,12 @@ type Pool struct {
 	// them before the first Open. (cmd/nbdmapper installs package
 	// remote's, for NBD URIs: backing itself knows no network.)
 	Schemes []Scheme
+	// NoHoleMap opens regular files without a HoleMap in front: reads then
+	// read holes like data, and every block status asks the file system.
+	// By default Open puts one in front of each regular file, under Wrap,
+	// so that every change of the file goes through it. Devices given to
+	// Add get none: the caller decides.
+	NoHoleMap bool
 
 	mu     sync.Mutex
 	byID   map[ID]Device
@@ -63,8 +69,11 @@ func (p *Pool) Open(name string) (Device, error) {
 			return nil, err
 		}
 		d = inner
+		if f, ok := inner.(*File); ok && !f.block && !p.NoHoleMap {
+			d = NewHoleMap(f)
+		}
 		if p.Wrap != nil {
-			d = p.Wrap(inner)
+			d = p.Wrap(d)
 		}
 		p.add(id, d)
 	}

@@ -32,6 +32,11 @@
 #
 # PROFILE=1 also writes a Go CPU profile of each nbdmapper run to
 # bench/results/.../nbdmapper-SET-STATE-ROUND.pprof.
+#
+# PEERS="..." picks the peers (default: nbdmapper nbdkit qemu-nbd); the
+# peer nbdmapper-nomap is the same binary with --hole-map=false, which reads
+# holes as data, as before sparse reads (a baseline for them in the same
+# run). ROWS="0 1" runs only those workloads (indices in the list below).
 # Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,12 +72,17 @@ profile_flag() {
 	return 0
 }
 
+# map_flag PEER: nbdmapper's --hole-map for PEER.
+map_flag() {
+	if [ "$1" = nbdmapper-nomap ]; then echo --hole-map=false; else echo --hole-map=true; fi
+}
+
 start_peer() { # name socket disk profile-flag
 	local name=$1 sock=$2 disk=$3
 	case $name in
-	nbdmapper)
+	nbdmapper | nbdmapper-nomap)
 		echo "0 $sectors linear $disk 0" >"$work/bench.table"
-		"$work/nbdmapper" serve --metrics off --socket "$sock" $4 "bench=$work/bench.table" 2>"$out/$name.log" &
+		"$work/nbdmapper" serve --metrics off --socket "$sock" "$(map_flag "$name")" $4 "bench=$work/bench.table" 2>"$out/$name.log" &
 		;;
 	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
@@ -108,9 +118,9 @@ make_pki() {
 start_tls_peer() {
 	local name=$1 port=$2 disk=$3 p=$work/pki
 	case $name in
-	nbdmapper)
+	nbdmapper | nbdmapper-nomap)
 		echo "0 $sectors linear $disk 0" >"$work/bench.table"
-		"$work/nbdmapper" serve --metrics off --listen "127.0.0.1:$port" --tls require \
+		"$work/nbdmapper" serve --metrics off --listen "127.0.0.1:$port" "$(map_flag "$name")" --tls require \
 			--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" $4 \
 			"bench=$work/bench.table" 2>"$out/$name-tls.log" &
 		;;
@@ -160,7 +170,8 @@ workloads=(
 	"4k randwrite fsync=1|--rw=randwrite --bs=4k --iodepth=1 --fsync=1"
 	"1M trim qd8|--rw=trim --bs=1M --iodepth=8"
 )
-peers=(nbdmapper nbdkit qemu-nbd)
+read -r -a peers <<<"${PEERS:-nbdmapper nbdkit qemu-nbd}"
+read -r -a rows <<<"${ROWS:-${!workloads[*]}}"
 [[ " $sets " != *" tls "* ]] || make_pki "$work/pki"
 port=$((20000 + RANDOM % 20000))
 
@@ -185,7 +196,7 @@ for round in $(seq "$rounds"); do
 					uri="nbd+unix:///bench?socket=$sock"
 					run=fio
 				fi
-				for i in "${!workloads[@]}"; do
+				for i in "${rows[@]}"; do
 					args=${workloads[$i]#*|}
 					base=$out/$set-$state-$peer-$i-$round
 					cpu_ticks "$peer_pid" >"$base.cpu0"
@@ -205,6 +216,7 @@ done
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.md"
 
 printf '%s\n' "${workloads[@]%%|*}" >"$out/names"
+echo "${rows[*]}" >"$out/rows"
 for set in $sets; do
 	for state in $states; do
 		echo
@@ -213,6 +225,7 @@ for set in $sets; do
 import json, statistics, sys
 out, rounds, set_, state, hz, peers = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6:]
 names = open(f"{out}/names").read().splitlines()
+rows = [int(i) for i in open(f"{out}/rows").read().split()]
 
 def one(peer, i, r):
     base = f"{out}/{set_}-{state}-{peer}-{i}-{r}"
@@ -231,10 +244,11 @@ def medians(peer, i):
 
 print("| workload | unit | " + " | ".join(peers) + " | nbdmapper / best | CPU s per M requests: " + " / ".join(peers) + " | CPU nbdmapper / best |")
 print("|---|---|" + "---|" * len(peers) + "---|---|---|")
-for i, name in enumerate(names):
+for i in rows:
+    name = names[i]
     vals = {p: medians(p, i) for p in peers}
     unit = "MiB/s" if name.startswith("1M") else "IOPS"
-    others = [p for p in peers if p != "nbdmapper"]
+    others = [p for p in peers if not p.startswith("nbdmapper")]
     best = max(vals[p][0] for p in others)
     cheapest = min(vals[p][1] for p in others)
     ratio = vals["nbdmapper"][0] / best if best else float("nan")

@@ -26,39 +26,104 @@ const (
 	// CacheBuffer.
 	WalkMemory = WalkExtents*256 + CacheBuffer
 	// HolesMemory covers one Holes answer inside BlockStatus: at most one
-	// range per 4 KiB block of a holeQuery.
-	HolesMemory = holeQuery / 4096 * 16
+	// range per 4 KiB block of a holeQuery, and the question a hole map
+	// asks the file system meanwhile.
+	HolesMemory = holeQuery/4096*16 + backing.HoleQueryMemory
+)
+
+// Holes a read reports (ReadSparse), and how many: a hole shorter than
+// MinHole is read as data (zeros from the device, or cleared for a zero
+// target) unless it is the whole read, and a read reports at most MaxHoles
+// holes, reading the rest as data, so that a reply has at most
+// 2*MaxHoles+1 chunks and a read makes a bounded number of device reads
+// per extent.
+const (
+	MinHole  = 4096
+	MaxHoles = 32
 )
 
 // Read fills p from the device at off. On failure it also reports the
 // offset of the extent that failed, for a structured reply's ERROR_OFFSET.
+// Holes the backing devices know of are cleared rather than read.
 func (m *Device) Read(p []byte, off int64) (failed int64, err error) {
 	l, err := m.admit(off, int64(len(p)))
 	if err != nil {
 		return off, err
 	}
 	defer m.exit()
-	return readAt(l.t, p, off)
+	_, failed, err = readAt(l.t, p, off, MinHole, MaxHoles, nil, false)
+	return failed, err
 }
 
-func readAt(t *table.Table, p []byte, off int64) (failed int64, err error) {
+// ReadSparse is Read that leaves holes unread: it appends the holes of
+// [off, off+len(p)) to holes (virtual offsets, ascending, none adjacent,
+// at most MaxHoles, each at least MinHole unless it is the whole read) and
+// leaves their bytes in p as they were; they read as zeros. Holes are zero
+// targets and what the backing devices report as holes
+// (backing.ReadSparse: a HoleMap's cached holes); error targets fail the
+// read as before.
+func (m *Device) ReadSparse(p []byte, off int64, holes []backing.Range) (_ []backing.Range, failed int64, err error) {
+	l, err := m.admit(off, int64(len(p)))
+	if err != nil {
+		return holes, off, err
+	}
+	defer m.exit()
+	return readAt(l.t, p, off, MinHole, MaxHoles, holes, true)
+}
+
+// ReadAtSparse makes a mapped device below another table a
+// backing.SparseReader: the device above reads it sparsely too.
+func (m *Device) ReadAtSparse(p []byte, off, minHole int64, maxHoles int, holes []backing.Range) ([]backing.Range, error) {
+	l, err := m.admit(off, int64(len(p)))
+	if err != nil {
+		return holes, err
+	}
+	defer m.exit()
+	holes, _, err = readAt(l.t, p, off, minHole, maxHoles, holes, true)
+	return holes, err
+}
+
+// readAt reads [off, off+len(p)) of t extent by extent, appending the
+// holes it leaves unread to holes. Each extent's holes come in device
+// offsets and are moved to virtual ones, joined to a hole that ends where
+// they start, so that holes spanning extents (a zero target beside a hole
+// in a file, a striped hole) are one; holes that end up shorter than
+// minHole are cleared and dropped at the end. Without sparse every hole is
+// cleared (in a pooled list, so that a read allocates nothing) and none is
+// returned.
+func readAt(t *table.Table, p []byte, off, minHole int64, maxHoles int, holes []backing.Range, sparse bool) (_ []backing.Range, failed int64, err error) {
 	r := readerPool.Get().(*extentReader)
-	r.p, r.off = p, off
+	if !sparse {
+		holes = r.own[:0]
+	}
+	r.p, r.off, r.minHole, r.max, r.holes, r.first = p, off, minHole, maxHoles, holes, len(holes)
 	t.Map(off, int64(len(p)), r.yield)
-	failed, err = r.failed, r.err
-	*r = extentReader{yield: r.yield}
+	holes, failed, err = r.finish(), r.failed, r.err
+	if !sparse {
+		for _, h := range holes {
+			clear(p[h.Off-off : h.End()-off])
+		}
+		r.own, holes = holes[:0], nil
+	}
+	*r = extentReader{yield: r.yield, dev: r.dev[:0], own: r.own}
 	readerPool.Put(r)
-	return failed, err
+	return holes, failed, err
 }
 
 // extentReader carries readAt's state through Table.Map. It is pooled with
 // its yield func bound once, so a read allocates no closure.
 type extentReader struct {
-	p      []byte
-	off    int64
-	err    error
-	failed int64
-	yield  func(table.Extent) bool
+	p       []byte
+	off     int64
+	minHole int64
+	max     int
+	holes   []backing.Range // virtual; holes[first:] are this read's
+	first   int
+	dev     []backing.Range // one extent's holes, device offsets (reused)
+	own     []backing.Range // holes of a read that clears them (reused)
+	err     error
+	failed  int64
+	yield   func(table.Extent) bool
 }
 
 var readerPool = sync.Pool{New: func() any {
@@ -71,9 +136,17 @@ func (r *extentReader) read(e table.Extent) bool {
 	buf := r.p[e.VOff-r.off : e.VOff-r.off+e.Len]
 	switch e.Kind {
 	case table.KindMapped:
-		_, r.err = e.Dev.ReadAt(buf, e.Off)
+		room := r.max - (len(r.holes) - r.first)
+		r.dev, r.err = backing.ReadSparse(e.Dev, buf, e.Off, r.minHole, room, r.dev[:0])
+		for _, h := range r.dev {
+			if at := h.Off - e.Off + e.VOff; !r.addHole(at, h.Len) {
+				clear(r.p[at-r.off : at-r.off+h.Len]) // not reached: room bounds them
+			}
+		}
 	case table.KindZero:
-		clear(buf)
+		if !r.addHole(e.VOff, e.Len) {
+			clear(buf)
+		}
 	case table.KindError:
 		r.err = table.ErrTarget
 	}
@@ -81,6 +154,34 @@ func (r *extentReader) read(e table.Extent) bool {
 		r.failed = e.VOff
 	}
 	return r.err == nil
+}
+
+// addHole adds the virtual hole [at, at+n), joining it to the last one if
+// that ends at at; false if there is no room for it (it was not added).
+func (r *extentReader) addHole(at, n int64) bool {
+	if k := len(r.holes) - 1; k >= r.first && r.holes[k].End() == at {
+		r.holes[k].Len += n
+		return true
+	}
+	if len(r.holes)-r.first >= r.max {
+		return false
+	}
+	r.holes = append(r.holes, backing.Range{Off: at, Len: n})
+	return true
+}
+
+// finish clears and drops the holes shorter than minHole, unless one is
+// the whole read.
+func (r *extentReader) finish() []backing.Range {
+	out := r.holes[:r.first]
+	for _, h := range r.holes[r.first:] {
+		if h.Len < r.minHole && h.Len != int64(len(r.p)) {
+			clear(r.p[h.Off-r.off : h.End()-r.off])
+			continue
+		}
+		out = append(out, h)
+	}
+	return out
 }
 
 // Write writes p to the device at off. With fua it returns only once the

@@ -8,6 +8,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/mapped"
@@ -84,6 +85,12 @@ var (
 		"The --memory budget: the most all requests together may hold.")
 	descMemoryWaits = desc("nbdmapper_request_memory_waits_total",
 		"Requests that waited for the --memory budget before being read further.")
+	descReadChunks = desc("nbdmapper_read_chunks_total",
+		"Content chunks of structured read replies sent, by export and type: data (OFFSET_DATA) or hole (OFFSET_HOLE, zeros not read or sent).",
+		"export", "type")
+	descReadHoleBytes = desc("nbdmapper_read_hole_bytes_total",
+		"Bytes of reads answered as hole chunks, by export.",
+		"export")
 
 	// Flush engine.
 	descFlushes = desc("nbdmapper_flushes_total",
@@ -108,6 +115,20 @@ var (
 		"device")
 	descDeviceFailed = desc("nbdmapper_device_failed",
 		"1 if a sync or durable write of this backing device failed, so that every later flush of it fails until restart, else 0.",
+		"device")
+
+	// Hole maps (backing.HoleMap, one per backing file).
+	descHoleLookups = desc("nbdmapper_device_hole_map_lookups_total",
+		"256 KiB chunks a read or block status looked up in the device's hole map, by result: hit (answered from the map) or miss (the file system was asked).",
+		"device", "result")
+	descHoleRefused = desc("nbdmapper_device_hole_map_refused_total",
+		"Hole answers of the file system not kept because a write or discard of the chunk raced the question.",
+		"device")
+	descHoleKnown = desc("nbdmapper_device_hole_map_known_chunks",
+		"256 KiB chunks whose holes the map knows now (at most nbdmapper_device_hole_map_slots).",
+		"device")
+	descHoleSlots = desc("nbdmapper_device_hole_map_slots",
+		"Capacity of the device's hole map in chunks (24 bytes each).",
 		"device")
 
 	// Discard engine.
@@ -257,6 +278,7 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 		descConnections, descConnectionsTotal, descConnectionsOpen,
 		descConnectionsRefused, descHandshakeTimeouts, descReplyTimeouts, descAcceptRetries,
 		descPanics, descMemoryInUse, descMemoryLimit, descMemoryWaits,
+		descReadChunks, descReadHoleBytes, descHoleLookups, descHoleRefused, descHoleKnown, descHoleSlots,
 		descFlushes, descDeviceFlushes, descDeviceSyncs, descDeviceSkipped,
 		descDeviceCoalesced, descDeviceSyncErrors, descDeviceDirty, descDeviceFailed,
 		descDiscardRangesIn, descDiscardBytesIn, descDiscardCalls,
@@ -322,8 +344,27 @@ func gauge(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels ..
 // collectServer reports every op of every export, zeros included: the
 // server's Stats leaves out ops that never ran.
 func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.Stats) {
+	// Every device below an export, with zeros (and 0 slots) for those
+	// without a hole map (block devices, --hole-map=false).
+	holeMaps := make(map[string]*backing.HoleMap)
 	for _, x := range c.cfg.Server.ExportList() {
 		collectDevice(ch, x.Name, x.Dev)
+		for _, d := range table.Flatten(x.Dev.Table().Devices()) {
+			if h := backing.HoleMapOf(d); h != nil || holeMaps[d.Name()] == nil {
+				holeMaps[d.Name()] = h
+			}
+		}
+	}
+	for name, h := range holeMaps {
+		var st backing.HoleMapStats
+		if h != nil {
+			st = h.Stats()
+		}
+		counter(ch, descHoleLookups, st.Hits, name, "hit")
+		counter(ch, descHoleLookups, st.Misses, name, "miss")
+		counter(ch, descHoleRefused, st.Refused, name)
+		gauge(ch, descHoleKnown, float64(st.Known), name)
+		gauge(ch, descHoleSlots, float64(st.Slots), name)
 	}
 	gauge(ch, descConnectionsOpen, float64(s.Connections))
 	counter(ch, descConnectionsRefused, uint64(s.Refused))
@@ -338,6 +379,9 @@ func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.
 		gauge(ch, descConnections, float64(x.Connections), x.Name)
 		counter(ch, descConnectionsTotal, uint64(x.ConnectionsTotal), x.Name)
 		gauge(ch, descInFlight, float64(x.InFlight), x.Name)
+		counter(ch, descReadChunks, uint64(x.ReadDataChunks), x.Name, "data")
+		counter(ch, descReadChunks, uint64(x.ReadHoleChunks), x.Name, "hole")
+		counter(ch, descReadHoleBytes, uint64(x.ReadHoleBytes), x.Name)
 		for _, name := range nbdtarget.Ops {
 			op := x.Ops[name]
 			counter(ch, descRequests, uint64(op.Requests), x.Name, name)

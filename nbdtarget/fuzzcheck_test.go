@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/mapped"
@@ -187,6 +188,10 @@ func expectFor(r wireReq, s *session, m *devModel) expect {
 	return e
 }
 
+// fuzzHoleChunks counts the OFFSET_HOLE chunks the checker has seen, so
+// that a test can tell the fuzzers' inputs reach them.
+var fuzzHoleChunks atomic.Int64
+
 // result is a request's answer, as the reply stream carried it.
 type result struct {
 	done   bool
@@ -364,6 +369,7 @@ func (c *replyChecker) chunk(i int, flags, typ uint16, p []byte) {
 			fail("OFFSET_HOLE at %#x+%d outside the request", off, n)
 		}
 		res.holes++
+		fuzzHoleChunks.Add(1)
 		cover(off, nil, n)
 	case chunkBlockStatus:
 		if r.typ != cmdBlockStatus || len(p) < 12 || (len(p)-4)%8 != 0 {

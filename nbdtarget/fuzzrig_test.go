@@ -24,7 +24,10 @@ import (
 // fail*'s first 1 KiB fails reads and writes; nozero cannot zero natively;
 // striped is 2 Mems with 1-sector chunks; c is a Faulty over a Mem (writes
 // cached until a sync); snapshot is a persistent snapshot of a 16 KiB
-// origin. Every mapped byte starts as fuzzPattern(offset).
+// origin. Every mapped byte starts as fuzzPattern(offset). Every device
+// has a hole map in front (the file gets its own from the pool), so that
+// reads of what trims and zeroing punched are answered with hole chunks;
+// fail*'s is behind its failing reads, which it then reads densely.
 const fuzzTable = `0 32 linear a 0
 32 8 zero
 40 8 error
@@ -68,15 +71,6 @@ var fuzzClasses = func() []uint8 {
 	return cls
 }()
 
-// holesUnknown hides a Faulty device's Holes, which report the inner
-// device's holes and not its cache (a test device's limit, not the
-// server's), and keeps its WriteAtDSync visible.
-type holesUnknown struct{ *backing.Faulty }
-
-func (holesUnknown) Holes(off, n int64) ([]backing.Range, error) { return nil, nil }
-
-var _ backing.Device = holesUnknown{}
-
 // fuzzRig is one input's server, exports and devices.
 type fuzzRig struct {
 	srv    *Server
@@ -107,6 +101,7 @@ func newFuzzRig(t testing.TB, file string, serial, batch bool) *fuzzRig {
 		m.WriteAt(seg(vfrom, size), 0)
 		return m
 	}
+	holes := backing.NewHoleMap
 	// The striped pair holds virtual [40K, 56K) in 512-byte chunks,
 	// alternating between s0 and s1.
 	s0, s1 := backing.NewMem("s0", 8*kb), backing.NewMem("s1", 8*kb)
@@ -123,14 +118,14 @@ func newFuzzRig(t testing.TB, file string, serial, batch bool) *fuzzRig {
 		discarder.PerRequest = true
 	}
 	pool := &backing.Pool{Wrap: flusher.Track}
-	pool.Add("a", mem("a", 16*kb, 0))
-	pool.Add("f", &failDev{Device: mem("f", 8*kb, 24*kb), from: 0, to: kb})
-	pool.Add("z", noZeroDev{mem("z", 8*kb, 32*kb)})
-	pool.Add("s0", s0)
-	pool.Add("s1", s1)
-	pool.Add("c", holesUnknown{fc})
-	pool.Add("so", mem("so", 16*kb, 80*kb))
-	pool.Add("sc", backing.NewMem("sc", 64*kb))
+	pool.Add("a", holes(mem("a", 16*kb, 0)))
+	pool.Add("f", &failDev{Device: holes(mem("f", 8*kb, 24*kb)), from: 0, to: kb})
+	pool.Add("z", holes(noZeroDev{mem("z", 8*kb, 32*kb)}))
+	pool.Add("s0", holes(s0))
+	pool.Add("s1", holes(s1))
+	pool.Add("c", holes(fc))
+	pool.Add("so", holes(mem("so", 16*kb, 80*kb)))
+	pool.Add("sc", holes(backing.NewMem("sc", 64*kb)))
 	tb, err := table.Parse("fuzz.table", strings.NewReader(fmt.Sprintf(fuzzTable, file)), pool)
 	if err != nil {
 		pool.Close()

@@ -465,6 +465,10 @@ type ExportStats struct {
 	ConnectionsTotal int64 // connections that ever reached transmission
 	InFlight         int64 // requests decoded and not yet replied to
 	Ops              map[string]OpStats
+
+	// Structured read replies' content chunks sent, and the bytes the
+	// hole chunks covered (sent as holes, not as data).
+	ReadDataChunks, ReadHoleChunks, ReadHoleBytes int64
 }
 
 // OpStats counts completed requests of one op (see Ops).
@@ -517,6 +521,8 @@ type opCounters struct {
 type exportStats struct {
 	conns, connsTotal, inFlight atomic.Int64
 	ops                         [numCmds + 1]opCounters
+	readChunks                  [2]atomic.Int64 // OFFSET_DATA, OFFSET_HOLE
+	readHoleBytes               atomic.Int64
 }
 
 // Stats returns a snapshot of the counters. Counters are read one by one,
@@ -547,6 +553,9 @@ func (s *Server) Stats() Stats {
 			ConnectionsTotal: st.connsTotal.Load(),
 			InFlight:         st.inFlight.Load(),
 			Ops:              make(map[string]OpStats),
+			ReadDataChunks:   st.readChunks[0].Load(),
+			ReadHoleChunks:   st.readChunks[1].Load(),
+			ReadHoleBytes:    st.readHoleBytes.Load(),
 		}
 		for i := range st.ops {
 			oc := &st.ops[i]

@@ -455,7 +455,11 @@ func (c *conn) exec(j *job) error {
 		}
 		j.setBuf(int(n))
 		var err error
-		j.errOff, err = x.Dev.Read(j.buf, off)
+		if c.sparse(r) {
+			j.holes, j.errOff, err = x.Dev.ReadSparse(j.buf, off, j.holes[:0])
+		} else {
+			j.errOff, err = x.Dev.Read(j.buf, off)
+		}
 		j.hasErrOff = err != nil
 		return err
 	case cmdWrite:
@@ -532,7 +536,7 @@ func (c *conn) check(r *request) (uint32, string) {
 	switch r.Type {
 	case cmdRead:
 		if c.structured {
-			allowed |= cfDF // one OFFSET_DATA chunk is all we ever send
+			allowed |= cfDF // answered with one OFFSET_DATA chunk, holes as zeros (sparse)
 		}
 	case cmdWriteZeroes:
 		allowed |= cfNoHole | cfFastZero
@@ -601,8 +605,16 @@ func errnoOf(err error, r *request) uint32 {
 	return EIO
 }
 
+// sparse says whether read r is answered with hole chunks for its holes:
+// only with structured replies and without DF, which asks for one data
+// chunk. Other reads get the holes' zeros as data.
+func (c *conn) sparse(r *request) bool {
+	return c.structured && r.Flags&cfDF == 0
+}
+
 // reply sends j's reply: a simple reply, or, once structured replies are
-// negotiated, a single final chunk for reads, block status and errors.
+// negotiated, a single final chunk for block status and errors, and for
+// reads one data chunk, or data and hole chunks if it has holes.
 func (c *conn) reply(j *job) {
 	r := &j.req
 	b := j.out[:0]
@@ -614,10 +626,13 @@ func (c *conn) reply(j *job) {
 		b = appendSimpleReply(b, r.Handle, j.errno)
 	case r.Type == cmdRead && c.structured && r.Length == 0:
 		b = appendChunkHeader(b, r.Handle, replyFlagDone, chunkNone, 0)
+	case r.Type == cmdRead && c.structured && len(j.holes) > 0:
+		c.sendRead(j, int64(r.Offset), j.buf, true)
+		return
 	case r.Type == cmdRead && c.structured:
-		b = appendChunkHeader(b, r.Handle, replyFlagDone, chunkOffsetData, 8+r.Length)
-		b = appendU64(b, r.Offset)
+		b = appendDataChunkHeader(b, r.Handle, replyFlagDone, r.Offset, r.Length)
 		data = j.buf
+		c.st.readChunks[0].Add(1)
 	case r.Type == cmdRead:
 		b = appendSimpleReply(b, r.Handle, 0)
 		data = j.buf
@@ -628,6 +643,58 @@ func (c *conn) reply(j *job) {
 	}
 	j.out = b
 	c.send(b, data)
+}
+
+// sendRead sends the chunks of a structured read reply for [off,
+// off+len(p)) whose holes are j.holes (ascending, inside it, p not holding
+// their bytes): OFFSET_DATA for the data between the holes and OFFSET_HOLE
+// for each hole, in order, under one hold of the write lock; the last
+// chunk is flagged done if done (a long read's last piece). At most
+// 2*mapped.MaxHoles+1 chunks:
+//
+//	p      [ data ][ hole ][ data ][ hole ]
+//	chunks  DATA    HOLE    DATA    HOLE+done
+func (c *conn) sendRead(j *job, off int64, p []byte, done bool) {
+	h := j.req.Handle
+	// Room for every header first, so that the parts cut from j.out stay
+	// valid as it grows.
+	if need := (2*len(j.holes) + 1) * maxReadChunkHeader; cap(j.out) < need {
+		j.out = make([]byte, 0, need)
+	}
+	b, parts := j.out[:0], j.parts[:0]
+	end := off + int64(len(p))
+	flag := func(last int64) uint16 {
+		if done && last == end {
+			return replyFlagDone
+		}
+		return 0
+	}
+	var nData, holeBytes int64
+	pos := off
+	data := func(to int64) {
+		nData++
+		at := len(b)
+		b = appendDataChunkHeader(b, h, flag(to), uint64(pos), uint32(to-pos))
+		parts = append(parts, b[at:], p[pos-off:to-off])
+	}
+	for _, hole := range j.holes {
+		if hole.Off > pos {
+			data(hole.Off)
+		}
+		at := len(b)
+		b = appendHoleChunk(b, h, flag(hole.End()), uint64(hole.Off), uint32(hole.Len))
+		parts = append(parts, b[at:])
+		holeBytes += hole.Len
+		pos = hole.End()
+	}
+	if pos < end {
+		data(end)
+	}
+	c.st.readChunks[0].Add(nData)
+	c.st.readChunks[1].Add(int64(len(j.holes)))
+	c.st.readHoleBytes.Add(holeBytes)
+	j.out, j.parts = b, parts
+	c.sendParts(parts)
 }
 
 // readStream answers a READ longer than MaxPayload, reading it one
@@ -644,11 +711,16 @@ func (c *conn) readStream(j *job) {
 	r := &j.req
 	j.setBuf(streamPiece)
 	off, end := int64(r.Offset), int64(r.Offset)+int64(r.Length)
+	sparse := c.sparse(r)
 	piece := func() []byte {
 		p := j.buf[:min(end-off, streamPiece)]
 		c.protect(j, func() error {
 			var err error
-			j.errOff, err = c.x.Dev.Read(p, off)
+			if sparse {
+				j.holes, j.errOff, err = c.x.Dev.ReadSparse(p, off, j.holes[:0])
+			} else {
+				j.errOff, err = c.x.Dev.Read(p, off)
+			}
 			j.hasErrOff = err != nil
 			return err
 		})
@@ -659,16 +731,10 @@ func (c *conn) readStream(j *job) {
 		c.reply(j)
 		return
 	}
-	if c.structured && r.Flags&cfDF == 0 {
+	if sparse {
 		for {
 			last := off+int64(len(p)) == end
-			flags := uint16(0)
-			if last {
-				flags = replyFlagDone
-			}
-			hdr := appendChunkHeader(j.out[:0], r.Handle, flags, chunkOffsetData, 8+uint32(len(p)))
-			j.out = appendU64(hdr, uint64(off))
-			c.send(j.out, p)
+			c.sendRead(j, off, p, last)
 			if last {
 				return
 			}
@@ -680,8 +746,8 @@ func (c *conn) readStream(j *job) {
 		}
 	}
 	if c.structured {
-		j.out = appendChunkHeader(j.out[:0], r.Handle, replyFlagDone, chunkOffsetData, 8+r.Length)
-		j.out = appendU64(j.out, r.Offset)
+		j.out = appendDataChunkHeader(j.out[:0], r.Handle, replyFlagDone, r.Offset, r.Length)
+		c.st.readChunks[0].Add(1)
 	} else {
 		j.out = appendSimpleReply(j.out[:0], r.Handle, 0)
 	}
@@ -701,6 +767,20 @@ func (c *conn) readStream(j *job) {
 			c.log.Warn("nbd read failed after its reply header was sent: closing the connection", "offset", off, "errno", j.errno)
 			c.werr = errBrokenReply
 		}
+	}
+}
+
+// sendParts writes one reply made of several parts (a sparse read's
+// chunks and their data) under one hold of the write lock, so that they
+// leave together.
+func (c *conn) sendParts(parts [][]byte) {
+	c.lockSend()
+	defer c.unlockSend()
+	for _, p := range parts {
+		if c.werr != nil {
+			return
+		}
+		_, c.werr = c.bw.Write(p)
 	}
 }
 
@@ -793,8 +873,10 @@ type job struct {
 	errOff    int64 // virtual offset of a read error, with hasErrOff
 	hasErrOff bool
 
-	bs  []mapped.BlockExtent // block status result, reused
-	out []byte               // encoded reply header, reused
+	bs    []mapped.BlockExtent // block status result, reused
+	holes []backing.Range      // a sparse read's holes, reused
+	parts [][]byte             // a sparse read's reply, in pieces, reused
+	out   []byte               // encoded reply header(s), reused
 }
 
 var jobPool = sync.Pool{New: func() any { return &job{out: make([]byte, 0, 64)} }}
@@ -805,7 +887,8 @@ func putJob(j *job) {
 	if j.bufp != nil {
 		putBuf(j.bufp)
 	}
-	*j = job{bs: j.bs[:0], out: j.out[:0]}
+	clear(j.parts) // no reference to a returned buffer stays behind
+	*j = job{bs: j.bs[:0], holes: j.holes[:0], parts: j.parts[:0], out: j.out[:0]}
 	jobPool.Put(j)
 }
 

@@ -220,4 +220,21 @@ func appendBlockStatusChunk(b []byte, handle uint64, id uint32, exts []mapped.Bl
 	return b
 }
 
-func appendU64(b []byte, v uint64) []byte { return binary.BigEndian.AppendUint64(b, v) }
+// appendDataChunkHeader appends an OFFSET_DATA chunk's header and offset,
+// for n bytes of data that follow it: u64 offset | data.
+func appendDataChunkHeader(b []byte, handle uint64, flags uint16, off uint64, n uint32) []byte {
+	b = appendChunkHeader(b, handle, flags, chunkOffsetData, 8+n)
+	return binary.BigEndian.AppendUint64(b, off)
+}
+
+// appendHoleChunk appends a complete OFFSET_HOLE chunk: u64 offset | u32
+// hole size (non-zero).
+func appendHoleChunk(b []byte, handle uint64, flags uint16, off uint64, n uint32) []byte {
+	b = appendChunkHeader(b, handle, flags, chunkOffsetHole, 12)
+	b = binary.BigEndian.AppendUint64(b, off)
+	return binary.BigEndian.AppendUint32(b, n)
+}
+
+// maxReadChunkHeader is the longest header a read reply's chunk carries
+// before its data: a hole chunk's.
+const maxReadChunkHeader = chunkHeaderSize + 12

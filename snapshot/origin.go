@@ -73,6 +73,15 @@ func (o *Origin) ReadAt(p []byte, off int64) (int, error) {
 	return o.origin.ReadAt(p, off)
 }
 
+// ReadAtSparse reads the origin sparsely (backing.SparseReader): reads pass
+// through to it, so its holes are the origin's.
+func (o *Origin) ReadAtSparse(p []byte, off, minHole int64, maxHoles int, holes []backing.Range) ([]backing.Range, error) {
+	if err := o.check(off, int64(len(p))); err != nil {
+		return holes, err
+	}
+	return backing.ReadSparse(o.origin, p, off, minHole, maxHoles, holes)
+}
+
 func (o *Origin) WriteAt(p []byte, off int64) (int, error) {
 	if err := o.check(off, int64(len(p))); err != nil {
 		return 0, err

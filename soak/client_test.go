@@ -78,6 +78,8 @@ type call struct {
 	exts       [][2]uint32 // BLOCK_STATUS: (length, flags)
 	done       func(*call) // called by the reader with the reply, or with lost set
 	lost       bool        // the connection died before the reply
+	covered    int64       // READ: bytes the content chunks covered
+	holes      int64       // READ: OFFSET_HOLE chunks among them
 }
 
 func dialNBD(sock, export string, structured bool) (*nbdConn, error) {
@@ -256,6 +258,9 @@ func (c *nbdConn) readReplies(br *bufio.Reader) error {
 			if err := cl.chunk(typ, p); err != nil {
 				return err
 			}
+			if final && cl.typ == cmdRead && typ < 1<<15 && cl.covered != cl.n {
+				return fmt.Errorf("%w: read of %d+%d answered with chunks covering %d bytes", errProtocol, cl.off, cl.n, cl.covered)
+			}
 			if final {
 				cl.done(cl)
 			}
@@ -286,15 +291,19 @@ func (cl *call) chunk(typ uint16, p []byte) error {
 			cl.data = make([]byte, cl.n)
 		}
 		if typ == chunkData {
-			if !within(off, int64(len(p)-8)) {
+			if !within(off, int64(len(p)-8)) || len(p) == 8 {
 				return bad("range")
 			}
 			copy(cl.data[off-cl.off:], p[8:])
+			cl.covered += int64(len(p) - 8)
 		} else {
-			if len(p) != 12 || !within(off, int64(binary.BigEndian.Uint32(p[8:]))) {
+			n := int64(binary.BigEndian.Uint32(p[8:]))
+			if len(p) != 12 || n == 0 || !within(off, n) {
 				return bad("hole")
 			}
-			clear(cl.data[off-cl.off : off-cl.off+int64(binary.BigEndian.Uint32(p[8:]))])
+			clear(cl.data[off-cl.off : off-cl.off+n])
+			cl.covered += n
+			cl.holes++
 		}
 	case chunkBS:
 		if cl.typ != cmdBlockStat || len(p) < 12 || (len(p)-4)%8 != 0 {

@@ -73,12 +73,12 @@ func (p injectedPanic) String() string { return "injected panic in " + p.op + " 
 // faults is what a disk injects, each a probability per call. One faults
 // value may be shared by several disks; the counters count injections.
 type faults struct {
-	on                                  atomic.Bool
-	eio, enospc, syncFail, slow, panics float64
-	maxDelay                            time.Duration
+	on                                           atomic.Bool
+	eio, enospc, syncFail, slow, panics, holeLag float64
+	maxDelay                                     time.Duration
 
-	nEIO, nENOSPC, nSyncFail, nSlow, nPanic atomic.Int64
-	nSync                                   atomic.Int64 // syncs asked for
+	nEIO, nENOSPC, nSyncFail, nSlow, nPanic, nHoleLag atomic.Int64
+	nSync                                             atomic.Int64 // syncs asked for
 }
 
 func (f *faults) hit(p float64) bool { return f != nil && f.on.Load() && p > 0 && rand.Float64() < p }
@@ -326,11 +326,30 @@ func (d *disk) Sync() error {
 
 // Holes reports the sectors that read as zeros because they were never
 // written or were discarded or zeroed, as far as the cache and the file
-// tell.
+// tell. It fails like any call (before or after its work), and with
+// probability holeLag it delays its answer after computing it, as a
+// thread descheduled after lseek would, so that writes land between the
+// answer and its use (the hole map must not keep such an answer).
 func (d *disk) Holes(off, n int64) ([]backing.Range, error) {
 	if err := d.check(off, n); err != nil {
 		return nil, err
 	}
+	before, after := d.inject("holes", false)
+	if err := before(); err != nil {
+		return nil, err
+	}
+	out, err := d.holes(off, n)
+	if f := d.faults; err == nil && f.hit(f.holeLag) {
+		f.nHoleLag.Add(1)
+		time.Sleep(rand.N(f.maxDelay + 1))
+	}
+	if err != nil {
+		return nil, err
+	}
+	return out, after()
+}
+
+func (d *disk) holes(off, n int64) ([]backing.Range, error) {
 	// Under mu, so that no write-back lands between asking the file and
 	// looking at the cache.
 	d.mu.Lock()

@@ -13,6 +13,7 @@ package soak
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"flag"
 	"fmt"
 	"math/rand/v2"
@@ -48,6 +49,7 @@ var (
 	flagReport   = flag.String("soak.report", "", "file to write the figures to")
 	flagNoPrune  = flag.Bool("soak.noprune", false, "keep every model entry (debugging: failures then show whole histories)")
 	flagMaxDelay = flag.Duration("soak.maxdelay", 2*time.Millisecond, "longest injected device delay")
+	flagHoleLag  = flag.Float64("soak.holelag", 1.0/20, "probability that a disk's hole answer is delayed after the disk computed it, so that writes race the hole map's query")
 )
 
 // bound turns a hang into a failure; see internal/nbdtest.Bound.
@@ -83,6 +85,7 @@ type stats struct {
 	aborts                                                               [3]atomic.Int64
 	crashes, wrongReads, lostFlushed, badErrnos, protocol, panics        atomic.Int64
 	tornReads                                                            atomic.Int64 // reads that saw a mix of concurrent writes
+	holeChunks, holeReads                                                atomic.Int64 // OFFSET_HOLE chunks received, reads with any
 	sweptSectors                                                         atomic.Int64
 	latency, count                                                       [8]atomic.Int64 // by command
 
@@ -134,8 +137,8 @@ func TestSoak(t *testing.T) {
 	}
 	defer os.RemoveAll(sockDir)
 	r := &rig{t: t, dir: dir, sock: filepath.Join(sockDir, "s"), st: new(stats),
-		full:   &faults{eio: *flagFaults, enospc: *flagFaults, syncFail: *flagSyncFail, slow: *flagFaults, maxDelay: *flagMaxDelay},
-		slow:   &faults{slow: *flagFaults, maxDelay: *flagMaxDelay},
+		full:   &faults{eio: *flagFaults, enospc: *flagFaults, syncFail: *flagSyncFail, slow: *flagFaults, holeLag: *flagHoleLag, maxDelay: *flagMaxDelay},
+		slow:   &faults{slow: *flagFaults, holeLag: *flagHoleLag, maxDelay: *flagMaxDelay},
 		models: map[string]*model{"main": newModel("main", 1, 12288), "org": newModel("org", 2, 2048)}}
 	if *flagPanics {
 		r.full.panics = *flagFaults
@@ -191,7 +194,9 @@ func (r *rig) start() {
 		}
 		d := newDisk(f, fl)
 		r.disks = append(r.disks, d)
-		pool.Add(name, d)
+		// A hole map in front, as the pool gives every file, so that the
+		// model checks the hole chunks it lets reads send.
+		pool.Add(name, backing.NewHoleMap(d))
 	}
 	var exports []*nbdtarget.Export
 	var tables []*table.Table
@@ -386,6 +391,10 @@ func (r *rig) worker(export string, stop chan struct{}, connsMu *sync.Mutex, con
 		connsMu.Unlock()
 		r.drive(c, m, stop, completed)
 		c.close()
+		if errors.Is(c.err, errProtocol) {
+			r.st.protocol.Add(1)
+			r.st.fail("%s: %v", export, c.err)
+		}
 		connsMu.Lock()
 		delete(conns, c)
 		connsMu.Unlock()
@@ -511,6 +520,10 @@ func (r *rig) request(c *nbdConn, m *model, sectors int64, release func()) (*cal
 		s, n := span(sectors, 256)
 		cl.typ, cl.off, cl.n = cmdRead, s*sector, n*sector
 		cl.done = reading(func(r0, r1 uint64) {
+			if cl.holes > 0 {
+				st.holeChunks.Add(cl.holes)
+				st.holeReads.Add(1)
+			}
 			for i := range n {
 				val, ok := decode(cl.data[i*sector:(i+1)*sector], m.export, s+i)
 				why := "no stamp of this export"
@@ -655,6 +668,7 @@ func (r *rig) report(t *testing.T, d time.Duration) {
 		r.full.nEIO.Load()+r.slow.nEIO.Load(), r.full.nENOSPC.Load(), r.full.nSyncFail.Load(),
 		r.full.nSlow.Load()+r.slow.nSlow.Load(), r.full.nPanic.Load(), st.panics.Load())
 	fmt.Fprintf(&b, "device syncs          %d\n", r.full.nSync.Load()+r.slow.nSync.Load())
+	fmt.Fprintf(&b, "hole answers delayed  %d\n", r.full.nHoleLag.Load()+r.slow.nHoleLag.Load())
 	fmt.Fprintf(&b, "client aborts         mid-header %d, mid-payload %d, replies in flight %d\n",
 		st.aborts[0].Load(), st.aborts[1].Load(), st.aborts[2].Load())
 	cuts, lost := "power cuts         ", "lost flushed writes   "
@@ -664,6 +678,8 @@ func (r *rig) report(t *testing.T, d time.Duration) {
 	fmt.Fprintf(&b, "%s   %d (sectors checked after them: %d)\n", cuts, st.crashes.Load(), st.sweptSectors.Load())
 	fmt.Fprintf(&b, "wrong reads           %d (and %d reads of sectors torn between concurrent writes, which NBD allows)\n", st.wrongReads.Load(), st.tornReads.Load())
 	fmt.Fprintf(&b, "%s%d\n", lost, st.lostFlushed.Load())
+	fmt.Fprintf(&b, "hole chunks           %d, in %d of %d reads (all checked against the model)\n", st.holeChunks.Load(), st.holeReads.Load(), st.reads.Load())
+	fmt.Fprintf(&b, "protocol violations   %d\n", st.protocol.Load())
 	fmt.Fprintf(&b, "disallowed errnos     %d\n", st.badErrnos.Load())
 	if r.kill {
 		fmt.Fprintf(&b, "peak RSS (test process: clients, model; not the server)  %s\n", peakRSS())
@@ -678,5 +694,8 @@ func (r *rig) report(t *testing.T, d time.Duration) {
 	}
 	for _, f := range st.failures {
 		t.Error(f)
+	}
+	if st.reads.Load() > 1000 && st.holeChunks.Load() == 0 {
+		t.Error("no read was answered with a hole chunk: the sparse read path went unchecked")
 	}
 }

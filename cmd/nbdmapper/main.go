@@ -132,6 +132,7 @@ func loadTable(path string, open table.Opener) (*table.Table, error) {
 type serveFlags struct {
 	socket, listen string
 	readOnly       bool
+	holeMap        bool
 	flushBaseline  string
 	cpuProfile     string
 	metrics        string
@@ -147,6 +148,7 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.socket, "socket", "", "listen on this unix socket")
 	fs.StringVar(&sf.listen, "listen", "", "listen on HOST:PORT (default 127.0.0.1:10809 when no --socket)")
 	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")
+	fs.BoolVar(&sf.holeMap, "hole-map", true, "keep a map of each backing file's holes, so that reads of holes are answered without reading them (hole chunks with structured replies); false asks the file system every time and reads holes as data, for files that other processes change while served")
 	fs.StringVar(&sf.metrics, "metrics", defaultMetricsAddr, "serve Prometheus /metrics on HOST:PORT ('off' disables)")
 	fs.StringVar(&sf.metricsWeb, "metrics-web-config", "", "TLS and basic auth for --metrics: a Prometheus web config file, as node_exporter's --web.config.file")
 	sf.socketMode = defaultSocketMode
@@ -203,7 +205,7 @@ func runServe(args []string) error {
 	flusher.OnPanic, discarder.OnPanic = srv.Panicked, srv.Panicked
 	df.apply(discarder)
 	remotes := rf.scheme(log, srv.Panicked)
-	pool := &backing.Pool{ReadOnly: sf.readOnly, Wrap: flusher.Track, Schemes: []backing.Scheme{remotes}}
+	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track, Schemes: []backing.Scheme{remotes}}
 	defer pool.Close()
 
 	defs, err := exportDefs(specs, sf.tables)

@@ -1,0 +1,487 @@
+package backing
+
+import (
+	"math/bits"
+	"sync"
+)
+
+// HoleMap is a device with a cache of its holes in front: the answers of
+// the inner device's Holes (SEEK_HOLE/SEEK_DATA for a file), kept per 256
+// KiB chunk as one bit per 4 KiB granule, so that a read can skip the holes
+// it covers (ReadAtSparse) and a block status costs no system call for
+// chunks asked about before. A Pool installs one in front of every regular
+// file it opens, under every other wrapper, so that every segment, export
+// and engine of the server shares it and every change of the file passes
+// through it.
+//
+// Exactness. A stale hole over written data would be data loss; a stale
+// "data" costs only a read. So a write clears the hole bits it covers
+// before it is issued, and an answer of the device is kept only if no
+// write to its chunk is in flight when it is kept and no change of the
+// chunk completed since it was asked. Every chunk maps to a slot, and each
+// slot counts the writes in flight to its chunks and a generation bumped
+// whenever a write, discard or zeroing of one of them completes:
+//
+//	WriteAt      before: clear the chunk's hole bits under the range, writing++
+//	             after:  writing--, gen++
+//	Discard/Zero after:  forget the chunk (unknown: ask again), gen++
+//	query        read the slots' gens, ask the device (no lock held), then
+//	             keep the answer only if gen is unchanged and writing == 0
+//
+// A query that ran while a write to its chunk was in flight, or that a
+// write completed during, is used for the read that asked (the two were
+// concurrent, so either answer is allowed) but not kept. A read that
+// starts after a write was acknowledged finds the chunk as data, or
+// unknown, or asks the device, which has the data by then. Discards and
+// zeroing only ever make data read as zeros, so they forget the chunk after
+// they complete and the next read asks again; they need no count in flight.
+//
+// Memory. The slots are a direct-mapped table of at most 8192 entries
+// (24 bytes each, 192 KiB, covering 2 GiB of a device without collisions),
+// allocated at once. A chunk whose slot another chunk takes becomes unknown
+// again (never a hole); so whatever the file's fragmentation and whatever
+// clients read, the map holds the same bytes.
+//
+// Granularity. A granule is a hole only if all of it is (the last one may
+// be shorter, ending at the device's end): holes smaller than 4 KiB, or
+// not aligned to it, read as data, which is always safe.
+type HoleMap struct {
+	Device
+
+	size int64
+	mask int64 // len(slots) - 1
+
+	mu    sync.Mutex
+	slots []holeSlot
+	st    HoleMapStats
+}
+
+var _ Device = (*HoleMap)(nil)
+
+// holeSlot is one entry of the direct-mapped table. writing and gen count
+// for every chunk that maps to the slot, known or not, so that a query for
+// any of them sees changes to any of them (a collision costs at most a
+// refused answer).
+type holeSlot struct {
+	chunk   int64  // index of the chunk known here, plus 1; 0: none
+	holes   uint64 // bit i: granule i of the chunk is a hole
+	gen     uint32 // changes of the slot's chunks completed
+	writing uint32 // writes to the slot's chunks in flight
+}
+
+const (
+	holeGranule  = 4096
+	holeGranules = 64 // per chunk: one uint64 of bits
+	holeChunk    = holeGranule * holeGranules
+	holeSlotsMax = 8192
+	holeQueryMax = 16 // chunks per Holes call on the device (4 MiB)
+	allHoles     = ^uint64(0)
+)
+
+// HoleQueryMemory bounds what one question to the inner device holds: its
+// answer for at most holeQueryMax chunks (4 MiB), at most one range per 1
+// KiB (holes and data alternating in 512-byte blocks), 16 bytes each.
+const HoleQueryMemory = holeQueryMax * holeChunk / 1024 * 16
+
+// HoleMapStats counts what a HoleMap did.
+type HoleMapStats struct {
+	Hits     uint64 // chunks answered from the map
+	Misses   uint64 // chunks the device was asked about
+	Queries  uint64 // Holes calls on the device
+	Refused  uint64 // chunk answers not kept: a write was in flight or a change completed meanwhile
+	Forgot   uint64 // known chunks forgotten after a discard or zeroing
+	Evicted  uint64 // known chunks replaced by another chunk's answer
+	Errors   uint64 // Holes calls that failed (the chunks then read as data)
+	Slots    int    // capacity in chunks
+	Known    int    // chunks known now
+	Bytes    int64  // memory of the table
+	Granule  int64  // hole resolution in bytes
+	ChunkLen int64  // bytes of device per slot
+}
+
+// NewHoleMap puts a hole map in front of d. Every change of d must go
+// through the HoleMap from then on.
+func NewHoleMap(d Device) *HoleMap {
+	size := d.Size()
+	chunks := max((size+holeChunk-1)/holeChunk, 1)
+	n := int64(1)
+	for n < chunks && n < holeSlotsMax {
+		n <<= 1
+	}
+	return &HoleMap{Device: d, size: size, mask: n - 1, slots: make([]holeSlot, n)}
+}
+
+// Unwrap returns the inner device, for operations that do not change it.
+func (h *HoleMap) Unwrap() Device { return h.Device }
+
+// HoleMapOf returns the HoleMap d is, or wraps (through Wrapper), or nil.
+func HoleMapOf(d Device) *HoleMap {
+	for d != nil {
+		if h, ok := d.(*HoleMap); ok {
+			return h
+		}
+		w, ok := d.(Wrapper)
+		if !ok {
+			return nil
+		}
+		d = w.Unwrap()
+	}
+	return nil
+}
+
+// Stats returns the map's counters and occupancy.
+func (h *HoleMap) Stats() HoleMapStats {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	st := h.st
+	for i := range h.slots {
+		if h.slots[i].chunk != 0 {
+			st.Known++
+		}
+	}
+	st.Slots = len(h.slots)
+	st.Bytes = int64(len(h.slots)) * 24
+	st.Granule, st.ChunkLen = holeGranule, holeChunk
+	return st
+}
+
+func (h *HoleMap) WriteAt(p []byte, off int64) (int, error) {
+	h.begin(off, int64(len(p)))
+	defer h.end(off, int64(len(p)))
+	return h.Device.WriteAt(p, off)
+}
+
+// WriteAtDSync is the inner device's durable write (see flush.DSyncWriter),
+// marked like WriteAt; ErrNotSupported, having written nothing, where the
+// inner device has none.
+func (h *HoleMap) WriteAtDSync(p []byte, off int64) (int, error) {
+	w, ok := h.Device.(interface {
+		WriteAtDSync(p []byte, off int64) (int, error)
+	})
+	if !ok {
+		return 0, ErrNotSupported
+	}
+	h.begin(off, int64(len(p)))
+	defer h.end(off, int64(len(p)))
+	return w.WriteAtDSync(p, off)
+}
+
+func (h *HoleMap) Discard(off, n int64) error {
+	defer h.forget(off, n)
+	return h.Device.Discard(off, n)
+}
+
+func (h *HoleMap) Zero(off, n int64, mayPunch bool) error {
+	defer h.forget(off, n)
+	return h.Device.Zero(off, n, mayPunch)
+}
+
+// eachSlot calls fn once for every slot a chunk of [off, off+n) maps to,
+// with the part of the range inside the chunk the slot knows, if that
+// chunk is one of them (lo == hi otherwise). h.mu must be held.
+func (h *HoleMap) eachSlot(off, n int64, fn func(s *holeSlot, c, lo, hi int64)) {
+	if n <= 0 {
+		return
+	}
+	end := off + n
+	c0, c1 := off/holeChunk, (end-1)/holeChunk
+	inRange := func(s *holeSlot) (c, lo, hi int64) {
+		c = s.chunk - 1
+		if s.chunk == 0 || c < c0 || c > c1 {
+			return c, 0, 0
+		}
+		return c, max(off, c*holeChunk), min(end, (c+1)*holeChunk)
+	}
+	if c1-c0 >= h.mask { // as many chunks as slots, or more: every slot once
+		for i := range h.slots {
+			s := &h.slots[i]
+			c, lo, hi := inRange(s)
+			fn(s, c, lo, hi)
+		}
+		return
+	}
+	for c := c0; c <= c1; c++ { // fewer chunks than slots: distinct slots
+		s := &h.slots[c&h.mask]
+		_, lo, hi := inRange(s)
+		fn(s, c, lo, hi)
+	}
+}
+
+// begin marks [off, off+n) as data and a write to it as in flight, before
+// the write is issued.
+func (h *HoleMap) begin(off, n int64) {
+	h.mu.Lock()
+	h.eachSlot(off, n, func(s *holeSlot, c, lo, hi int64) {
+		if lo < hi {
+			s.holes &^= granuleMask(lo-c*holeChunk, hi-c*holeChunk)
+		}
+		s.writing++
+	})
+	h.mu.Unlock()
+}
+
+// end records that the write begin announced completed (or failed, or
+// panicked: part of it may have landed).
+func (h *HoleMap) end(off, n int64) {
+	h.mu.Lock()
+	h.eachSlot(off, n, func(s *holeSlot, _, _, _ int64) {
+		s.writing--
+		s.gen++
+	})
+	h.mu.Unlock()
+}
+
+// forget drops what is known of the chunks of [off, off+n) after a discard
+// or zeroing completed, so that the next read asks the device again.
+func (h *HoleMap) forget(off, n int64) {
+	h.mu.Lock()
+	h.eachSlot(off, n, func(s *holeSlot, _, lo, hi int64) {
+		if lo < hi {
+			s.chunk = 0
+			h.st.Forgot++
+		}
+		s.gen++
+	})
+	h.mu.Unlock()
+}
+
+// granuleMask has the bits of the granules that [lo, hi) touches, offsets
+// inside one chunk, 0 <= lo < hi <= holeChunk.
+func granuleMask(lo, hi int64) uint64 {
+	g0, g1 := uint(lo/holeGranule), uint((hi-1)/holeGranule)
+	return (allHoles >> (holeGranules - 1 - g1)) &^ (1<<g0 - 1)
+}
+
+// window fills bits[:k] with the hole bits of chunks c0 .. c0+k-1 (k <=
+// holeQueryMax, all inside the device), from the map where it knows them,
+// else by asking the device once for the unknown ones (as one range from
+// the first to the last). A failed query leaves its chunks as data and is
+// returned.
+func (h *HoleMap) window(c0 int64, k int, bits *[holeQueryMax]uint64) error {
+	var unknown uint32
+	var gens [holeQueryMax]uint32
+	h.mu.Lock()
+	for i := range k {
+		c := c0 + int64(i)
+		s := &h.slots[c&h.mask]
+		if s.chunk == c+1 {
+			bits[i] = s.holes
+			h.st.Hits++
+			continue
+		}
+		bits[i] = 0
+		unknown |= 1 << i
+		gens[i] = s.gen
+		h.st.Misses++
+	}
+	if unknown != 0 {
+		h.st.Queries++
+	}
+	h.mu.Unlock()
+	if unknown == 0 {
+		return nil
+	}
+	first, last := bits32First(unknown), bits32Last(unknown)
+	lo, hi := (c0+int64(first))*holeChunk, min(h.size, (c0+int64(last)+1)*holeChunk)
+	holes, err := h.Device.Holes(lo, hi-lo)
+	if err != nil {
+		h.mu.Lock()
+		h.st.Errors++
+		h.mu.Unlock()
+		return err
+	}
+	var got [holeQueryMax]uint64
+	setHoleBits(got[first:last+1], holes, lo, hi, hi == h.size)
+	h.mu.Lock()
+	for i := first; i <= last; i++ {
+		if unknown&(1<<i) == 0 {
+			continue
+		}
+		bits[i] = got[i]
+		c := c0 + int64(i)
+		s := &h.slots[c&h.mask]
+		if s.gen != gens[i] || s.writing != 0 {
+			h.st.Refused++
+			continue
+		}
+		if s.chunk != 0 && s.chunk != c+1 {
+			h.st.Evicted++
+		}
+		s.chunk, s.holes = c+1, got[i]
+	}
+	h.mu.Unlock()
+	return nil
+}
+
+func bits32First(x uint32) int { return bits.TrailingZeros32(x) }
+func bits32Last(x uint32) int  { return 31 - bits.LeadingZeros32(x) }
+
+// setHoleBits sets, in bits (one word per chunk from lo, chunk-aligned, to
+// hi), the granules that holes (ascending, inside [lo, hi)) cover whole.
+// With eof, hi is the device's end and a hole reaching it covers the last,
+// possibly short, granule.
+func setHoleBits(bits []uint64, holes []Range, lo, hi int64, eof bool) {
+	for _, r := range holes {
+		a, b := max(r.Off, lo)-lo, min(r.End(), hi)-lo
+		if a >= b {
+			continue
+		}
+		g0 := (a + holeGranule - 1) / holeGranule
+		g1 := b / holeGranule // first granule not covered whole
+		if eof && r.End() >= hi {
+			g1 = (b + holeGranule - 1) / holeGranule
+		}
+		for g := g0; g < g1; {
+			w, in := g/holeGranules, g%holeGranules
+			n := min(g1-g, holeGranules-in)
+			bits[w] |= (allHoles >> (holeGranules - n)) << in
+			g += n
+		}
+	}
+}
+
+// runs calls fn for the consecutive runs of hole and data in [off, end),
+// ascending, each run as long as it goes within the range (a run may be
+// cut in two where a window of holeQueryMax chunks ends). A failed query
+// makes its chunks data and is returned after the walk.
+func (h *HoleMap) runs(off, end int64, fn func(lo, hi int64, hole bool)) error {
+	var firstErr error
+	var bits [holeQueryMax]uint64
+	for c := off / holeChunk; c*holeChunk < end; c += holeQueryMax {
+		k := int(min(holeQueryMax, (end-1)/holeChunk-c+1))
+		if err := h.window(c, k, &bits); err != nil && firstErr == nil {
+			firstErr = err
+		}
+		base := c * holeChunk
+		lo, hi := max(off, base), min(end, base+int64(k)*holeChunk)
+		for pos := lo; pos < hi; {
+			g := int((pos - base) / holeGranule)
+			hole := bits[g/holeGranules]&(1<<(g%holeGranules)) != 0
+			next := base + int64(nextChange(bits[:k], g, k*holeGranules, hole))*holeGranule
+			stop := min(hi, next)
+			fn(pos, stop, hole)
+			pos = stop
+		}
+	}
+	return firstErr
+}
+
+// nextChange returns the first granule at or after g and before lim whose
+// hole bit is not hole, or lim.
+func nextChange(bs []uint64, g, lim int, hole bool) int {
+	for g < lim {
+		w := bs[g/holeGranules]
+		if hole {
+			w = ^w
+		}
+		if w >>= uint(g % holeGranules); w != 0 {
+			return min(lim, g+bits.TrailingZeros64(w))
+		}
+		g = (g/holeGranules + 1) * holeGranules
+	}
+	return lim
+}
+
+// Holes answers from the map, asking the device about chunks it does not
+// know; holes are whole granules (the last one may end at the device's
+// end), clipped to [off, off+n).
+func (h *HoleMap) Holes(off, n int64) ([]Range, error) {
+	if err := checkRange(h.size, off, n); err != nil {
+		return nil, err
+	}
+	var out []Range
+	err := h.runs(off, off+n, func(lo, hi int64, hole bool) {
+		if !hole {
+			return
+		}
+		if k := len(out) - 1; k >= 0 && out[k].End() == lo {
+			out[k].Len += hi - lo
+			return
+		}
+		out = append(out, Range{Off: lo, Len: hi - lo})
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// ReadAtSparse reads [off, off+len(p)) leaving its holes unread (see
+// SparseReader). Each data piece between the holes it reports is one read
+// of the inner device. A hole query that fails makes the range read as
+// data.
+func (h *HoleMap) ReadAtSparse(p []byte, off, minHole int64, maxHoles int, holes []Range) ([]Range, error) {
+	end := off + int64(len(p))
+	if err := checkRange(h.size, off, int64(len(p))); err != nil || len(p) == 0 {
+		return holes, err
+	}
+	s := sparseRead{p: p, off: off, end: end, minHole: minHole, room: maxHoles, holes: holes, dataAt: -1, holeAt: -1, dev: h.Device}
+	h.runs(off, end, s.run)
+	return s.finish()
+}
+
+// sparseRead turns a walk of hole and data runs into the holes a sparse
+// read reports and the reads of the data between them: a hole shorter than
+// minHole (unless it is all of p), or past the room for holes, joins the
+// data around it, which is then read with one call.
+type sparseRead struct {
+	p             []byte
+	off, end      int64
+	minHole       int64
+	room          int
+	holes         []Range
+	dataAt        int64 // start of the data not read yet, or -1
+	holeAt, holeN int64 // the hole being extended, or -1
+	err           error
+	dev           Device
+}
+
+func (s *sparseRead) run(lo, hi int64, hole bool) {
+	if hole {
+		if s.holeAt < 0 {
+			s.holeAt = lo
+		}
+		s.holeN = hi - s.holeAt
+		return
+	}
+	s.endHole()
+	if s.dataAt < 0 {
+		s.dataAt = lo
+	}
+}
+
+// endHole decides about the hole being extended, now that it ended.
+func (s *sparseRead) endHole() {
+	if s.holeAt < 0 {
+		return
+	}
+	at, n := s.holeAt, s.holeN
+	s.holeAt = -1
+	whole := at == s.off && n == s.end-s.off
+	if s.room == 0 || (n < s.minHole && !whole) {
+		if s.dataAt < 0 {
+			s.dataAt = at // read as data with what follows
+		}
+		return
+	}
+	s.readData(at)
+	s.holes = append(s.holes, Range{Off: at, Len: n})
+	s.room--
+}
+
+// readData reads the pending data up to to.
+func (s *sparseRead) readData(to int64) {
+	if s.dataAt < 0 {
+		return
+	}
+	if s.err == nil {
+		_, s.err = s.dev.ReadAt(s.p[s.dataAt-s.off:to-s.off], s.dataAt)
+	}
+	s.dataAt = -1
+}
+
+func (s *sparseRead) finish() ([]Range, error) {
+	s.endHole()
+	s.readData(s.end)
+	return s.holes, s.err
+}
