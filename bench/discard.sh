@@ -76,7 +76,7 @@ for ((r = 0; r < reps; r++)); do
 			sync
 			trace=()
 			[ -n "$strace" ] && trace=("$strace" -f -qq --seccomp-bpf -c -e trace=fallocate -o "$out/$id.strace")
-			"${trace[@]}" "$work/nbdmapper" serve --metrics off --socket "$sock" $sflags "bench=$work/interleaved.table" 2>"$out/$id.log" &
+			"${trace[@]}" "$work/nbdmapper" serve --metrics off --control off --socket "$sock" $sflags "bench=$work/interleaved.table" 2>"$out/$id.log" &
 			pid=$!
 			wait_socket "$sock" "$pid" "$out/$id.log"
 			start=$(date +%s.%N)

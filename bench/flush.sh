@@ -86,7 +86,7 @@ for jobs in "${jobs_list[@]}"; do
 		fresh_files
 		sock=$work/$id.sock
 		# shellcheck disable=SC2086
-		"$work/nbdmapper" serve --metrics off --socket "$sock" $flags "bench=$work/$tab.table" 2>"$out/$id.log" &
+		"$work/nbdmapper" serve --metrics off --control off --socket "$sock" $flags "bench=$work/$tab.table" 2>"$out/$id.log" &
 		pid=$!
 		wait_socket "$sock" "$pid" "$out/$id.log"
 		fio --name=flush --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" \

@@ -26,7 +26,7 @@ disk=$work/disk.img
 dd if=/dev/urandom of="$disk" bs=1M count="$size_mib" status=none
 echo "0 $((size_mib * 2048)) linear $disk 0" >"$work/bench.table"
 sock=$work/nbd.sock
-"$work/nbdmapper" serve --metrics off --socket "$sock" "bench=$work/bench.table" 2>"$out/serve.log" &
+"$work/nbdmapper" serve --metrics off --control off --socket "$sock" "bench=$work/bench.table" 2>"$out/serve.log" &
 pid=$!
 wait_socket "$sock" "$pid" "$out/serve.log"
 

@@ -82,7 +82,7 @@ start_peer() { # name socket disk profile-flag
 	case $name in
 	nbdmapper | nbdmapper-nomap)
 		echo "0 $sectors linear $disk 0" >"$work/bench.table"
-		"$work/nbdmapper" serve --metrics off --socket "$sock" "$(map_flag "$name")" $4 "bench=$work/bench.table" 2>"$out/$name.log" &
+		"$work/nbdmapper" serve --metrics off --control off --socket "$sock" "$(map_flag "$name")" $4 "bench=$work/bench.table" 2>"$out/$name.log" &
 		;;
 	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
@@ -120,7 +120,7 @@ start_tls_peer() {
 	case $name in
 	nbdmapper | nbdmapper-nomap)
 		echo "0 $sectors linear $disk 0" >"$work/bench.table"
-		"$work/nbdmapper" serve --metrics off --listen "127.0.0.1:$port" "$(map_flag "$name")" --tls require \
+		"$work/nbdmapper" serve --metrics off --control off --listen "127.0.0.1:$port" "$(map_flag "$name")" --tls require \
 			--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" $4 \
 			"bench=$work/bench.table" 2>"$out/$name-tls.log" &
 		;;

@@ -48,7 +48,7 @@ fresh() { # fresh CHUNK: new sparse files and tables
 
 serve() { # serve ID: start the server on a fresh socket
 	sock=$work/$1.sock
-	"$work/nbdmapper" serve --metrics off --socket "$sock" "base=$work/base.table" "snap=$work/snap.table" 2>"$out/$1.log" &
+	"$work/nbdmapper" serve --metrics off --control off --socket "$sock" "base=$work/base.table" "snap=$work/snap.table" 2>"$out/$1.log" &
 	pid=$!
 	wait_socket "$sock" "$pid" "$out/$1.log"
 }

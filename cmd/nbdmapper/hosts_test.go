@@ -373,6 +373,11 @@ func (r *hostRig) killed(t *testing.T) {
 	writes := func() int { return r.nbdkit.Count("Write") }
 	start := writes()
 	nbdtest.Until(t, "fio's writes to reach host 1", func() bool { return writes() > start+100 })
+	// Killed with requests in flight for certain, however the machine
+	// schedules fio: they must be retried on the new connection.
+	r.nbdkit.Pause()
+	inFlight := regexp.MustCompile(`remote ` + regexp.QuoteMeta(r.uri(0)) + `: up .* in flight [1-9]`)
+	nbdtest.Until(t, "requests in flight to the paused host 1", func() bool { return inFlight.MatchString(r.status(t)) })
 	r.nbdkit.Kill()
 	nbdtest.Until(t, "status to show host 1 down", func() bool {
 		return strings.Contains(r.status(t), "remote "+r.uri(0)+": down")

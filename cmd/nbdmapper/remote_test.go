@@ -77,7 +77,7 @@ h.flush()
 		t.Fatal(err)
 	}
 	for _, want := range []string{
-		`(?m)^lin: remote ` + regexp.QuoteMeta(u0b) + `: up connections 4/4 reconnects 0 retries 0 timeouts 0 rtt \S+ unflushed 0$`,
+		`(?m)^lin: remote ` + regexp.QuoteMeta(u0b) + `: up connections 4/4 reconnects 0 retries 0 timeouts 0 rtt \S+ in flight 0 unflushed 0$`,
 		`(?m)^lin: remote ` + regexp.QuoteMeta(u1) + `: up connections 4/4 `,
 		`(?m)^str: remote ` + regexp.QuoteMeta(u0b) + `: up `,
 		`(?m)^str: remote ` + regexp.QuoteMeta(u1) + `: up `,

@@ -76,8 +76,8 @@ func remoteLines(devs []backing.Device, s *remote.Scheme) string {
 		if st.RoundTrips > 0 {
 			rtt = time.Duration(st.RoundTripSeconds / float64(st.RoundTrips) * float64(time.Second))
 		}
-		fmt.Fprintf(&b, "remote %s: %s connections %d/%d reconnects %d retries %d timeouts %d rtt %v unflushed %d",
-			st.Name, st.State, st.Connections, st.Wanted, st.Reconnects, st.Retries, st.Timeouts, rtt.Round(time.Microsecond), st.Unflushed)
+		fmt.Fprintf(&b, "remote %s: %s connections %d/%d reconnects %d retries %d timeouts %d rtt %v in flight %d unflushed %d",
+			st.Name, st.State, st.Connections, st.Wanted, st.Reconnects, st.Retries, st.Timeouts, rtt.Round(time.Microsecond), st.InFlight, st.Unflushed)
 		if st.Lost {
 			fmt.Fprintf(&b, " lost: %s", strings.ReplaceAll(st.LostError, "\n", " "))
 		} else if st.State != remote.StateUp && st.LastError != "" {

@@ -124,6 +124,10 @@ func (p *Peer) accepting() bool {
 	return err == nil
 }
 
+// Pause stops the server (SIGSTOP): its connections stay up and requests
+// sent to it wait unanswered, until Kill.
+func (p *Peer) Pause() { p.cmd.Process.Signal(syscall.SIGSTOP) }
+
 // Kill ends the server with SIGKILL, as a crash would, and waits for it.
 func (p *Peer) Kill() {
 	p.cmd.Process.Signal(syscall.SIGKILL)
