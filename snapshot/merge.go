@@ -48,6 +48,7 @@ type merge struct {
 	mergeLo, mergeHi uint64 // origin chunks [lo, hi) being merged now
 	mergeFailed      bool
 	mergeDone        bool
+	mergeWaiters     int // writes waiting for the run being merged (tests watch it)
 
 	writes tracker // in-place COW writes in flight, in origin chunks
 
@@ -266,7 +267,9 @@ func (s *Snapshot) mergeWritePart(p []byte, off int64) (int64, error) {
 		if _, ok := s.st.lookup(c0); !ok || c0 < s.mergeLo || c0 >= s.mergeHi {
 			break
 		}
+		s.mergeWaiters++
 		s.cond.Wait() // the chunk is being merged: wait for its run
+		s.mergeWaiters--
 	}
 	chunk := s.st.chunk
 	_, onCOW := s.st.lookup(uint64(off / chunk))
