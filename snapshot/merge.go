@@ -192,7 +192,7 @@ func (s *Snapshot) mergeStep() (copied int64, more bool, err error) {
 		if err != nil {
 			return 0, false, fmt.Errorf("copying chunks %d-%d back: %w", old0, old0+uint64(n)-1, err)
 		}
-		if err := s.origin.Sync(); err != nil {
+		if err := syncMerged(s.origin); err != nil {
 			return 0, false, fmt.Errorf("flush after merge: %w", err)
 		}
 	}

@@ -26,6 +26,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/snapshot"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -34,7 +35,8 @@ const usage = `usage:
                   [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
-                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [NAME=TABLE_FILE ...]
+                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [--merge-rate BYTES]
+                  [NAME=TABLE_FILE ...]
   nbdmapper create NAME TABLE_FILE | remove [--force] NAME   [--control PATH]
   nbdmapper reload NAME TABLE_FILE | suspend NAME | resume NAME | clear NAME   [--control PATH]
   nbdmapper table [--inactive] NAME | info NAME | ls | message NAME SECTOR TEXT   [--control PATH]
@@ -139,6 +141,8 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.control, "control", defaultControl, "the control socket for reload, suspend, resume, ... ('off' disables)")
 	var df discardFlags
 	df.register(fs)
+	mergeRate := rate(snapshot.DefaultMergeRate)
+	fs.Var(&mergeRate, "merge-rate", "the most bytes per second each snapshot-merge device copies back to its origin (with K, M, G suffix; 0: no limit)")
 	var lf limitFlags
 	lf.register(fs)
 	if err := fs.Parse(args); err != nil {
@@ -173,6 +177,7 @@ func runServe(args []string) error {
 	flusher := flush.New()
 	discarder := discard.New()
 	flusher.OnPanic, discarder.OnPanic = srv.Panicked, srv.Panicked
+	snapshot.Configure(snapshot.Config{MergeRate: int64(mergeRate), OnPanic: srv.Panicked, Logger: log})
 	df.apply(discarder)
 	pool := &backing.Pool{ReadOnly: sf.readOnly, Wrap: flusher.Track}
 	defer pool.Close()
