@@ -2,7 +2,10 @@ package snapshot
 
 import (
 	"bufio"
+	"bytes"
+	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,7 +13,9 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
+	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
@@ -102,4 +107,132 @@ for i, line in enumerate(open(%[2]q)):
 	}
 	defer s.Close()
 	verifyCrash(t, initial, readAll(t, s), readAll(t, originDev), acked)
+}
+
+// TestServeMergeSIGKILL merges a store through the real `nbdmapper serve`
+// (a snapshot-merge export over real files, at a slow --merge-rate) and
+// SIGKILLs the server at random points until the merge is done, serving
+// the store again after each kill. In every life a client writes a block
+// and flushes before the kill. After each kill the store, read as a
+// snapshot, must show the snapshot's bytes with every flushed write; at
+// the end the origin holds them. At least 20 kills must land mid-merge.
+func TestServeMergeSIGKILL(t *testing.T) {
+	const (
+		originSize = 8 << 20
+		cowSize    = 16 << 20
+		block      = 4096
+		minKills   = 20
+	)
+	bin := nbdtest.Binary(t)
+	dir := t.TempDir()
+	originPath, cowPath := filepath.Join(dir, "origin.img"), filepath.Join(dir, "cow.img")
+	rng := rand.New(rand.NewPCG(16, 16))
+	initial := make([]byte, originSize)
+	fill(rng, initial)
+	if err := os.WriteFile(originPath, initial, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(cowPath, make([]byte, cowSize), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// The store: 1024 chunks copied out one at a time in random order (so
+	// the merge has as many runs), and some snapshot writes.
+	want := func() []byte {
+		origin, cow := openFile(t, originPath), openFile(t, cowPath)
+		s, err := Open("prep", origin, cow, Options{Type: Persistent, ChunkSectors: 8})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		o, err := NewOrigin("prep-origin", origin, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := make([]byte, block)
+		for _, c := range rng.Perm(originSize / block)[:1024] {
+			fill(rng, p)
+			mustWrite(t, o, p, int64(c)*block)
+		}
+		for range 64 {
+			fill(rng, p)
+			mustWrite(t, s, p[:1000], rng.Int64N(originSize-1000))
+		}
+		if err := errors.Join(origin.Sync(), cow.Sync()); err != nil {
+			t.Fatal(err)
+		}
+		return readAll(t, s)
+	}()
+	table := filepath.Join(dir, "merge.table")
+	if err := os.WriteFile(table, fmt.Appendf(nil, "0 %d snapshot-merge %s %s P 8\n", originSize/512, originPath, cowPath), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// view reads the store as a snapshot, as the merge device serves it,
+	// and reports whether the merge is done.
+	view := func() ([]byte, bool) {
+		origin, err := backing.OpenFile(originPath, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer origin.Close()
+		cow, err := backing.OpenFile(cowPath, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer cow.Close()
+		s, err := Open("check", origin, cow, Options{Type: Persistent})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		var alloc, total, meta int
+		if _, err := fmt.Sscanf(s.Status(), "%d/%d %d", &alloc, &total, &meta); err != nil {
+			t.Fatalf("status %q: %v", s.Status(), err)
+		}
+		return readAll(t, s), alloc == meta
+	}
+
+	kills := 0
+	for life := 0; ; life++ {
+		if life == 10000 {
+			t.Fatalf("the merge is not done after %d lives", life)
+		}
+		srv := nbdtest.Start(t, bin, dir, "--metrics=off", "--control=off", "--merge-rate=512K", "merge="+table)
+		c, err := nbdtest.Dial(srv.Socket, "merge")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := make([]byte, block)
+		fill(rng, p)
+		off := rng.Int64N(originSize/block) * block
+		if err := c.Pwrite(p, off, false); err != nil {
+			t.Fatalf("life %d: write: %v", life, err)
+		}
+		if err := c.Flush(); err != nil {
+			t.Fatalf("life %d: flush: %v", life, err)
+		}
+		copy(want[off:], p)
+		time.Sleep(time.Duration(rng.Int64N(int64(300 * time.Millisecond))))
+		srv.Signal(syscall.SIGKILL)
+		srv.Wait()
+		c.Close()
+		got, done := view()
+		if !bytes.Equal(got, want) {
+			i := 0
+			for got[i] == want[i] {
+				i++
+			}
+			t.Fatalf("after kill %d: the store shows other bytes than the snapshot's, first at %d", life, i)
+		}
+		if done {
+			break
+		}
+		kills++
+	}
+	if kills < minKills {
+		t.Fatalf("only %d kills landed mid-merge, want %d", kills, minKills)
+	}
+	if got := readAll(t, openFile(t, originPath)); !bytes.Equal(got, want) {
+		t.Fatal("after the merge the origin does not hold the snapshot's bytes")
+	}
+	t.Logf("%d kills mid-merge", kills)
 }
