@@ -320,4 +320,7 @@ func listen(sf serveFlags) ([]net.Listener, error) {
 func logStats(log *slog.Logger, f *flush.Engine, d *discard.Engine) {
 	logFlushStats(log, f)
 	logDiscardStats(log, d)
+	st := snapshot.ReadStats()
+	log.Info("snapshot stats", "commits", st.Commits, "exceptions", st.Exceptions, "max_batch", st.MaxBatch,
+		"merged_chunks", st.MergedChunks, "merges_done", st.MergesDone, "merge_failures", st.MergeFail, "handovers", st.Handovers)
 }
