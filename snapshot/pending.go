@@ -1,6 +1,7 @@
 package snapshot
 
 import (
+	"fmt"
 	"slices"
 	"sync"
 
@@ -21,6 +22,15 @@ import (
 //	release   wait for reads of the origin chunk that began before the
 //	          commit, then remove it: waiters go on
 //
+// Commits are pipelined: a commit's final sync, which makes its metadata
+// durable, also makes durable the data of the exceptions that were ready
+// when it began, so the next commit, which takes those, skips its first
+// sync. Under a steady stream of first writes a commit costs one sync:
+//
+//	commit 1:  sync  area{a}  [b, c ready]  sync ─ ack a
+//	commit 2:                  area{b, c}  [d ready]  sync ─ ack b, c
+//	commit 3:                                area{d}  sync ─ ack d
+//
 // Commits follow allocation order, as dm's do since 4.8: an exception is
 // committed only with every one allocated before it, so the metadata lists
 // exceptions in the order of their COW chunks, and a crash leaks no chunk
@@ -28,6 +38,7 @@ import (
 type pending struct {
 	old, new uint64
 	ready    bool  // data written; err says whether it failed
+	synced   bool  // a sync that began after ready has completed
 	done     bool  // committed (or failed: err)
 	err      error // copy or commit failure
 	removed  chan struct{}
@@ -98,11 +109,37 @@ func (s *Snapshot) awaitCommit(ps []*pending) error {
 		}
 		batch := slices.Clone(s.queue[:k])
 		s.queue = append(s.queue[:0], s.queue[k:]...)
+		dataSynced := true
+		for _, p := range batch {
+			dataSynced = dataSynced && p.synced
+		}
 		s.committing = true
 		valid := s.st.valid
 		s.mu.Unlock()
-		err := s.commitBatch(batch, valid)
+		err := s.commitBatch(batch, valid, dataSynced)
+		var next []*pending
+		if err == nil && s.st.typ != Transient {
+			// What is ready now has its data written: the sync that
+			// makes this batch durable covers that data too.
+			s.mu.Lock()
+			for _, p := range s.queue {
+				if !p.ready {
+					break
+				}
+				next = append(next, p)
+			}
+			s.mu.Unlock()
+			err = backing.Guard(s.cow.Name(), onPanic(), s.cow.Sync)
+			if err != nil {
+				err = fmt.Errorf("sync metadata: %w", err)
+			}
+		}
 		s.mu.Lock()
+		if err == nil {
+			for _, p := range next {
+				p.synced = true
+			}
+		}
 		s.committing = false
 		s.finishBatch(batch, err)
 		s.cond.Broadcast()
@@ -124,11 +161,12 @@ func allDone(ps []*pending) bool {
 	return true
 }
 
-// commitBatch writes one batch's metadata (store.commit: sync, metadata,
-// sync). A copy that failed fails the batch: dm commits it with valid = 0,
+// commitBatch writes one batch's metadata (store.commit: a sync unless
+// the batch's data is synced already, then the metadata; the caller syncs
+// after). A copy that failed fails the batch: dm commits it with valid = 0,
 // which invalidates the snapshot. A panic in a device becomes an error, so
 // that the queue always advances.
-func (s *Snapshot) commitBatch(batch []*pending, valid bool) error {
+func (s *Snapshot) commitBatch(batch []*pending, valid, dataSynced bool) error {
 	if !valid {
 		return ErrInvalid
 	}
@@ -141,7 +179,7 @@ func (s *Snapshot) commitBatch(batch []*pending, valid bool) error {
 	for i, p := range batch {
 		es[i] = exception{Old: p.old, New: p.new}
 	}
-	return backing.Guard(s.cow.Name(), onPanic(), func() error { return s.st.commit(es) })
+	return backing.Guard(s.cow.Name(), onPanic(), func() error { return s.st.commit(es, dataSynced) })
 }
 
 // finishBatch records a batch's outcome. Called with s.mu held, by the

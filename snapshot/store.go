@@ -307,21 +307,29 @@ func (s *store) prepare() (uint64, error) {
 	return n, nil
 }
 
-// commit makes exceptions whose data chunks have been written part of the
-// store. For a persistent store the order is dm's: the data (and a freshly
-// wiped next area) are synced before the metadata that points at them is
-// written, and the metadata is synced before commit returns, so an
-// acknowledged write survives a crash and an unacknowledged one never
-// leaves an exception pointing at garbage.
+// commit writes the metadata of exceptions whose data chunks have been
+// written. For a persistent store the order is dm's: the data (and a
+// freshly wiped next area) are synced before the metadata that points at
+// them is written, and the caller syncs the metadata before it
+// acknowledges anything, so an acknowledged write survives a crash and an
+// unacknowledged one never leaves an exception pointing at garbage.
 //
-//	write data chunk(s) -> sync -> write metadata area -> sync -> ack
+//	write data chunk(s) -> sync -> write metadata area -> (caller) sync -> ack
 //
-// Every exception of es shares the two syncs and the one metadata write
-// (more only where es fills an area). commit does not add es to exc: the
-// owner does, under its mutex. On error the caller invalidates the store.
-func (s *store) commit(es []exception) error {
+// Every exception of es shares the syncs and the one metadata write (more
+// only where es fills an area). dataSynced says a sync that began after
+// the data was written has completed already (the previous commit's final
+// sync), so the first sync is not needed. commit does not add es to exc:
+// the owner does, under its mutex. On error the caller invalidates the
+// store.
+func (s *store) commit(es []exception, dataSynced bool) error {
 	if s.typ == Transient {
 		return nil
+	}
+	if !dataSynced {
+		if err := syncBeforeMetadata(s.cow); err != nil {
+			return fmt.Errorf("sync before metadata area %d: %w", s.curArea, err)
+		}
 	}
 	lo, hi := -1, -1
 	for _, e := range es {
@@ -334,12 +342,15 @@ func (s *store) commit(es []exception) error {
 		if s.committed < int(s.perArea) {
 			continue
 		}
-		// Area full: wipe the next one first, so that a full area on
-		// disk is always followed by a terminating one.
+		// Area full: wipe the next one first, durably, so that a full
+		// area on disk is always followed by a terminating one.
 		if err := s.writeChunk(make([]byte, s.chunk), areaChunk(s.perArea, s.curArea+1)); err != nil {
 			return fmt.Errorf("zero metadata area %d: %w", s.curArea+1, err)
 		}
-		if err := s.flushArea(lo, hi); err != nil {
+		if err := syncBeforeMetadata(s.cow); err != nil {
+			return fmt.Errorf("sync before metadata area %d: %w", s.curArea, err)
+		}
+		if err := s.writeArea(lo, hi); err != nil {
 			return err
 		}
 		s.curArea++
@@ -348,20 +359,28 @@ func (s *store) commit(es []exception) error {
 		lo, hi = -1, -1
 	}
 	if lo >= 0 {
-		return s.flushArea(lo, hi)
+		return s.writeArea(lo, hi)
 	}
 	return nil
 }
 
-// flushArea writes entries [lo, hi) of the current area, rounded out to
-// whole sectors, between two syncs of the COW device (dm writes the area
-// with PREFLUSH|FUA).
-func (s *store) flushArea(lo, hi int) error {
+// writeArea writes entries [lo, hi) of the current area, rounded out to
+// whole sectors.
+func (s *store) writeArea(lo, hi int) error {
 	from := int64(lo*exceptionSize) &^ 511
 	to := min((int64(hi*exceptionSize)+511)&^511, s.chunk)
+	if err := s.io(s.area[from:to], int64(areaChunk(s.perArea, s.curArea))*s.chunk+from, true); err != nil {
+		return fmt.Errorf("write metadata area %d: %w", s.curArea, err)
+	}
+	return nil
+}
+
+// flushArea writes entries [lo, hi) of the current area between two syncs
+// of the COW device (dm writes the area with PREFLUSH|FUA).
+func (s *store) flushArea(lo, hi int) error {
 	err := syncBeforeMetadata(s.cow)
 	if err == nil {
-		err = s.io(s.area[from:to], int64(areaChunk(s.perArea, s.curArea))*s.chunk+from, true)
+		err = s.writeArea(lo, hi)
 	}
 	if err == nil {
 		err = s.cow.Sync()
