@@ -103,16 +103,16 @@ func (s *Snapshot) awaitCommit(ps []*pending) error {
 			s.cond.Wait()
 			continue
 		}
+		// The exceptions whose data a sync covers already go first, on
+		// their own: the ones that became ready since then are covered
+		// by this commit's final sync and go in the next.
+		dataSynced := s.queue[0].synced
 		k := 1
-		for k < len(s.queue) && s.queue[k].ready {
+		for k < len(s.queue) && s.queue[k].ready && s.queue[k].synced == dataSynced {
 			k++
 		}
 		batch := slices.Clone(s.queue[:k])
 		s.queue = append(s.queue[:0], s.queue[k:]...)
-		dataSynced := true
-		for _, p := range batch {
-			dataSynced = dataSynced && p.synced
-		}
 		s.committing = true
 		valid := s.st.valid
 		s.mu.Unlock()
