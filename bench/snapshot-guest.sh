@@ -9,14 +9,16 @@
 #                snapshot, attached as /dev/nbd0 (4 connections)
 #
 # The origin is the first GiB of /dev/vda, the COW the second (a fresh
-# store for every snapshot case). Prints one line per case,
+# store for every snapshot case). Prints one line per case and round,
 #   SNAPBENCH <case> <IOPS> <KiB/s> <writes> <disk flushes>
 # where disk flushes are the flushes /dev/vda completed during the run.
+# With REPS > 1 the cases run in REPS interleaved rounds.
 #
-#   snapshot-guest.sh RUNTIME_S
+#   snapshot-guest.sh RUNTIME_S [REPS]
 set -uo pipefail
 . "$(dirname "$(realpath "$0")")/lib.sh" # run.sh puts it beside this script
 runtime=${1:-20}
+reps=${2:-1}
 gib=2097152 # sectors
 ip link set lo up 2>/dev/null
 
@@ -46,7 +48,7 @@ run_fio() {
 		"$(($(echo "$line" | cut -d';' -f47) / 4)) $(($(blkstat "$disk" 16) - d0))"
 }
 
-for mode in jobs16 depth32; do
+for ((rep = 0; rep < reps; rep++)); do for mode in jobs16 depth32; do
 	run_fio "dm-base-$mode" /dev/mapper/borig "$mode"
 	fresh_cow
 	dmcreate ksnap "0 $gib snapshot /dev/mapper/borig /dev/mapper/bcow P 8" || exit 1
@@ -67,6 +69,6 @@ for mode in jobs16 depth32; do
 	detach
 	unserve
 	grep '"snapshot stats"' /tmp/serve.log | tail -1
-done
+done; done
 dmsetup remove borig
 dmsetup remove bcow

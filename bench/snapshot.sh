@@ -36,7 +36,7 @@
 # on the kernel's dm-linear and dm-snapshot and on nbdmapper through
 # /dev/nbd0, over the same virtio disk, for the kernel's figures.
 #
-#   bench/snapshot.sh [RUNTIME_S] [REPS] [GUEST_RUNTIME_S]   defaults: 10 s, 3, 20 s
+#   bench/snapshot.sh [RUNTIME_S] [REPS] [GUEST_RUNTIME_S] [GUEST_REPS]   defaults: 10 s, 3, 20 s, 3
 #
 # NBDMAPPER_BIN picks the binary (default: built from this checkout).
 # Prints markdown tables (median IOPS, ratio to the reference of the same
@@ -47,6 +47,7 @@ cd "$(dirname "$0")/.."
 runtime=${1:-10}
 reps=${2:-3}
 guest_runtime=${3:-20}
+guest_reps=${4:-3}
 
 . bench/lib.sh
 bench_setup snapshot fio python3 go
@@ -151,7 +152,7 @@ PY
 
 if [ "${GUEST:-1}" != 0 ]; then
 	set +e
-	vmtest/run.sh -o "$out/vm" -d 2048 -t 3600 bench/snapshot-guest.sh "$guest_runtime" >"$out/guest.log"
+	vmtest/run.sh -o "$out/vm" -d 2048 -t 3600 bench/snapshot-guest.sh "$guest_runtime" "$guest_reps" >"$out/guest.log"
 	rc=$?
 	set -e
 	rm -f "$out/vm/disk.img"
@@ -162,19 +163,30 @@ if [ "${GUEST:-1}" != 0 ]; then
 	fi
 	{
 		echo
-		echo "guest: kernel $(sed -n 's/^VMTEST-BOOTED //p' "$out/guest.log" | tr -d '\r'), QEMU TCG 2 vCPUs, 2 GiB raw disk on virtio-blk cache=writeback, ${guest_runtime}s per row"
+		echo "guest: kernel $(sed -n 's/^VMTEST-BOOTED //p' "$out/guest.log" | tr -d '\r'), QEMU TCG 2 vCPUs, 2 GiB raw disk on virtio-blk cache=writeback, ${guest_reps} x ${guest_runtime}s per row, medians"
 		echo
-		echo "| case | IOPS | vs base (same device kind) | disk flushes per write |"
-		echo "|---|---:|---:|---:|"
+		echo "| case | IOPS | IOPS per round | vs base (same device kind) | disk flushes per write |"
+		echo "|---|---:|---|---:|---:|"
 		tr -d '\r' <"$out/guest.log" | awk '
+			function median(c,   k, i, j, t, a) {
+				k = runs[c]
+				for (i = 1; i <= k; i++) a[i] = iops[c, i]
+				for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+				return k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
+			}
 			$1 == "SNAPBENCH" {
-				iops[$2] = $3; fpw[$2] = $5 > 0 ? $6 / $5 : 0; name[n++] = $2
+				c = $2
+				if (!(c in runs)) name[n++] = c
+				runs[c]++
+				iops[c, runs[c]] = $3; w[c] += $5; fl[c] += $6
+				all[c] = all[c] (all[c] == "" ? "" : ", ") $3
 			}
 			END {
 				for (i = 0; i < n; i++) {
 					c = name[i]; b = c
 					sub(/snap/, "base", b); sub(/-first/, "", b)
-					printf "| %s | %d | %.3f | %.2f |\n", c, iops[c], (b in iops && iops[b] > 0) ? iops[c] / iops[b] : 0, fpw[c]
+					m = median(c); mb = (b in runs) ? median(b) : 0
+					printf "| %s | %d | %s | %.3f | %.2f |\n", c, m, all[c], (mb > 0 ? m / mb : 0), (w[c] > 0 ? fl[c] / w[c] : 0)
 				}
 			}'
 	} | tee -a "$out/table.md"
