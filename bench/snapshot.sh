@@ -38,7 +38,9 @@
 #
 #   bench/snapshot.sh [RUNTIME_S] [REPS] [GUEST_RUNTIME_S] [GUEST_REPS]   defaults: 10 s, 3, 20 s, 3
 #
-# NBDMAPPER_BIN picks the binary (default: built from this checkout).
+# NBDMAPPER_BIN picks the binary (default: built from this checkout);
+# BASELINE_BIN adds each first-write row run with another binary, in the
+# same rounds (see run_case).
 # Prints markdown tables (median IOPS, ratio to the reference of the same
 # workload, syncs per write) and leaves them with fio's JSON, server logs
 # and the guest's console in bench/results/snapshot-*/.
@@ -66,9 +68,9 @@ fresh() { # fresh CHUNK: new sparse files and tables
 	echo "0 $total snapshot /dev/mapper/base $work/cow.img P $1" >"$work/snap.table"
 }
 
-serve() { # serve ID: start the server on a fresh socket
+serve() { # serve ID [BINARY]: start the server on a fresh socket
 	sock=$work/$1.sock
-	"$work/nbdmapper" serve --metrics off --socket "$sock" "base=$work/base.table" "snap=$work/snap.table" 2>"$out/$1.log" &
+	"${2:-$work/nbdmapper}" serve --metrics off --socket "$sock" "base=$work/base.table" "snap=$work/snap.table" 2>"$out/$1.log" &
 	pid=$!
 	wait_socket "$sock" "$pid" "$out/$1.log"
 }
@@ -95,23 +97,36 @@ cases=(
 	"snap, first write, chunk 8, iodepth 32, no fsync|snap|8|$whole||1|32|0|8"
 )
 
+# run_case ID NAME BINARY: one case of the table below, fresh files.
+run_case() {
+	fresh "$chunk"
+	serve "$1" "$3"
+	if [ -n "$prefill" ]; then
+		fio --name=prefill --ioengine=nbd "--uri=nbd+unix:///$export?socket=$sock" \
+			--rw=write --bs=1m --iodepth=4 --size="$size" >/dev/null
+	fi
+	run_fio "$1" "$export" "$size" "$jobs" "$depth" "$fsync"
+	kill -INT "$pid"
+	wait "$pid" || true
+	cow_kib=$(du -k "$work/cow.img" | cut -f1)
+	syncs=$(grep '"flush stats"' "$out/$1.log" | tail -1 | sed -n 's/.* syncs=\([0-9]*\).*/\1/p')
+	printf '%s|%s|%s|%s|%s\n' "$1" "$2" "$cow_kib" "${syncs:-0}" "${cases[$ref]%%|*}" >>"$out/runs"
+}
+
+# BASELINE_BIN=PATH runs every first-write case again, right after the
+# binary under test, with that binary (an older nbdmapper): rows
+# "... [baseline]", against the same base row.
+if [ -n "${BASELINE_BIN:-}" ]; then
+	cp "$BASELINE_BIN" "$work/baseline"
+fi
 : >"$out/runs"
 for ((rep = 1; rep <= reps; rep++)); do
 	for i in "${!cases[@]}"; do
 		IFS='|' read -r name export chunk size prefill jobs depth fsync ref <<<"${cases[$i]}"
-		id=$i-r$rep
-		fresh "$chunk"
-		serve "$id"
-		if [ -n "$prefill" ]; then
-			fio --name=prefill --ioengine=nbd "--uri=nbd+unix:///$export?socket=$sock" \
-				--rw=write --bs=1m --iodepth=4 --size="$size" >/dev/null
+		run_case "$i-r$rep" "$name" "$work/nbdmapper"
+		if [ -n "${BASELINE_BIN:-}" ] && [[ $name == *"first write"* ]]; then
+			run_case "$i-r$rep-b" "$name [baseline]" "$work/baseline"
 		fi
-		run_fio "$id" "$export" "$size" "$jobs" "$depth" "$fsync"
-		kill -INT "$pid"
-		wait "$pid" || true
-		cow_kib=$(du -k "$work/cow.img" | cut -f1)
-		syncs=$(grep '"flush stats"' "$out/$id.log" | tail -1 | sed -n 's/.* syncs=\([0-9]*\).*/\1/p')
-		printf '%s|%s|%s|%s|%s\n' "$id" "$name" "$cow_kib" "${syncs:-0}" "$ref" >>"$out/runs"
 	done
 done
 
@@ -136,7 +151,7 @@ for line in open(f"{out}/runs"):
         lat += w["sync"]["lat_ns"]["percentile"]["50.000000"] / 1000
     if name not in rows:
         order.append(name)
-        refs[name] = int(ref)
+        refs[name] = ref
         rows[name] = [[], [], [], []]
     rows[name][0].append(wr["iops"])
     rows[name][1].append(lat)
@@ -146,7 +161,7 @@ print("| case | IOPS | write+flush p50 (µs) | vs base | syncs per write | COW a
 print("|---|---:|---:|---:|---:|---:|")
 for name in order:
     iops, lat, cow, spw = (statistics.median(v) for v in rows[name])
-    ref = statistics.median(rows[order[refs[name]]][0])
+    ref = statistics.median(rows[refs[name]][0])
     print(f"| {name} | {iops:.0f} | {lat:.0f} | {iops / ref:.3f} | {spw:.3f} | {cow:.0f} |")
 PY
 
