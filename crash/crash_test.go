@@ -21,6 +21,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/snapshot"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -44,6 +45,16 @@ type workload struct {
 	// defs are the tables served; views the exports clients write.
 	defs  []def
 	views []viewSpec
+	// check, if set, are the tables crash images are read through (by
+	// defs' names), instead of defs.
+	check []def
+	// prep, if set, makes the stores instead of loading defs once.
+	prep func(t *testing.T, files map[string]string)
+	// batched workloads must have committed some exceptions together.
+	batched bool
+	// awaitMerge keeps the server up after the clients until every
+	// snapshot-merge line reports its merge done.
+	awaitMerge bool
 }
 
 type def struct{ name, text string }
@@ -92,6 +103,37 @@ func workloads() []workload {
 				{"orig", "0 512 snapshot-origin @origin\n"},
 			},
 			views: []viewSpec{{"orig", 2, 1}, {"snap", 2, 1}},
+		},
+		{
+			// Six snapshot clients and two origin clients, each owning
+			// whole chunks: their first writes race to commit, and the
+			// exceptions that are ready together share one commit.
+			name:  "batched",
+			files: map[string]int64{"origin": 256 << 10, "cow": 1 << 20},
+			init:  []def{{"init", "0 512 linear @origin 0\n"}},
+			defs: []def{
+				{"snap", "0 512 snapshot @origin @cow P 2\n"},
+				{"orig", "0 512 snapshot-origin @origin\n"},
+			},
+			views:   []viewSpec{{"snap", 6, 2}, {"orig", 2, 2}},
+			batched: true,
+		},
+		{
+			// A snapshot merged back while clients write to it. prep
+			// copies every chunk out, one at a time in random order, so
+			// that the merge has 128 runs of one chunk, each copied,
+			// synced and cleared while the clients write; the images are
+			// read as the snapshot (the same view the merge serves).
+			name:  "merge",
+			files: map[string]int64{"origin": 128 << 10, "cow": 512 << 10},
+			init:  []def{{"init", "0 256 linear @origin 0\n"}},
+			defs:  []def{{"merge", "0 256 snapshot-merge @origin @cow P 2\n"}},
+			check: []def{{"merge", "0 256 snapshot @origin @cow P 2\n"}},
+			views: []viewSpec{{"merge", 4, 2}},
+			prep:  copyEveryChunkOut,
+			// The log goes on until the merge is done, so that the merge
+			// of the clients' acknowledged writes is cut too.
+			awaitMerge: true,
 		},
 		{
 			name:  "stacked",
@@ -171,12 +213,18 @@ func setup(t *testing.T, w workload, files map[string]string) map[string][]byte 
 		}
 		d.Close()
 	}
-	devs, err = table.ParseSet(tableDefs(w.defs, files), pool, newDevice(flush.New()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, d := range devs {
-		d.Close()
+	if w.prep != nil {
+		pool.Close()
+		w.prep(t, files)
+		pool = &backing.Pool{}
+	} else {
+		devs, err = table.ParseSet(tableDefs(w.defs, files), pool, newDevice(flush.New()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range devs {
+			d.Close()
+		}
 	}
 	if err := pool.Sync(); err != nil {
 		t.Fatal(err)
@@ -207,6 +255,10 @@ func runWorkloadDump(t *testing.T, w workload, round uint64, dump func(im crash.
 	files := paths(dir, "", w)
 	initial := setup(t, w, files)
 
+	// A merge runs as fast as the disks let it, among the clients.
+	snapshot.Configure(snapshot.Config{MergeRate: 0})
+	defer snapshot.Configure(snapshot.Config{MergeRate: snapshot.DefaultMergeRate})
+	before := snapshot.ReadStats()
 	wlog := backing.NewWriteLog()
 	engine := flush.New()
 	pool := &backing.Pool{Wrap: func(d backing.Device) backing.Device { return engine.Track(wlog.Wrap(d)) }}
@@ -237,6 +289,11 @@ func runWorkloadDump(t *testing.T, w workload, round uint64, dump func(im crash.
 		}
 	}
 	drive(t, w, m, wlog, socket, round)
+	if w.awaitMerge {
+		for _, d := range devs {
+			nbdtest.Until(t, d.DeviceName()+"'s merge", func() bool { return mergeDone(d.Table().Status()) })
+		}
+	}
 
 	if err := srv.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)
@@ -251,6 +308,12 @@ func runWorkloadDump(t *testing.T, w workload, round uint64, dump func(im crash.
 	if t.Failed() {
 		return 0, 0
 	}
+	after := snapshot.ReadStats()
+	commits, exceptions := after.Commits-before.Commits, after.Exceptions-before.Exceptions
+	if w.batched && exceptions <= commits {
+		t.Errorf("%s: %d exceptions in %d commits: none was committed with another", w.name, exceptions, commits)
+	}
+	merged := after.MergedChunks - before.MergedChunks
 	entries := wlog.Entries()
 	syncs, writes := 0, 0
 	for _, e := range entries {
@@ -310,9 +373,14 @@ func runWorkloadDump(t *testing.T, w workload, round uint64, dump func(im crash.
 	}
 	t.Logf("%s: %d log entries (%d writes, %d syncs), %d crash points, %d images; "+
 		"%d sectors checked, %d of them holding a write that had to be durable; "+
-		"%d images lost acknowledged writes (%d sectors: %d stale, %d garbage, %d foreign)",
+		"%d images lost acknowledged writes (%d sectors: %d stale, %d garbage, %d foreign); "+
+		"%d exceptions in %d commits, %d chunks merged",
 		w.name, len(entries), writes, syncs, len(points), images,
-		sum.Sectors, sum.Required, lostImages, sum.Lost, sum.Stale, sum.Garbage, sum.Foreign)
+		sum.Sectors, sum.Required, lostImages, sum.Lost, sum.Stale, sum.Garbage, sum.Foreign,
+		exceptions, commits, merged)
+	if w.prep != nil && merged == 0 {
+		t.Errorf("%s: nothing was merged while the clients wrote", w.name)
+	}
 	if sum.Required == 0 {
 		t.Errorf("no sector ever had to be durable: the workload proved nothing")
 	}
@@ -378,6 +446,9 @@ func checkImage(w workload, imgs map[string]string, m *crash.Model, pos int, see
 	pool := &backing.Pool{ReadOnly: true}
 	defer pool.Close()
 	defs := tableDefs(w.defs, imgs)
+	if w.check != nil {
+		defs = tableDefs(w.check, imgs)
+	}
 	devs, err := table.ParseSet(defs, pool, newDevice(flush.New()))
 	if err != nil {
 		return sum, fmt.Errorf("tables do not load: %w", err)
@@ -465,6 +536,52 @@ func kernelStatus(cowPath string) (string, error) {
 	}
 	sectors := chunk / 512
 	return fmt.Sprintf("%d/%d %d", nextFree*sectors, uint64(len(b))/512, (area+2)*sectors), nil
+}
+
+// mergeDone reads a table's status lines: every snapshot-merge line's
+// merge is done when its allocated sectors equal its metadata sectors.
+func mergeDone(status string) bool {
+	for _, line := range strings.Split(strings.TrimSpace(status), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 5 || f[2] != "snapshot-merge" {
+			continue
+		}
+		if alloc, _, ok := strings.Cut(f[3], "/"); !ok || alloc != f[4] {
+			return false
+		}
+	}
+	return true
+}
+
+// copyEveryChunkOut makes the merge workload's store: the snapshot of
+// the origin (which holds Pattern(0)) gets every chunk, copied out by
+// one-chunk origin writes in random order; the origin is then overwritten
+// with data of a write no view ever makes, which a wrong merge would show.
+func copyEveryChunkOut(t *testing.T, files map[string]string) {
+	pool := &backing.Pool{}
+	defer pool.Close()
+	devs, err := table.ParseSet(tableDefs([]def{
+		{"snap", "0 256 snapshot @origin @cow P 2\n"},
+		{"orig", "0 256 snapshot-origin @origin\n"},
+	}, files), pool, newDevice(flush.New()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := make([]byte, 2*crash.SectorSize)
+	for _, c := range rand.New(rand.NewPCG(3, 3)).Perm(128) {
+		for i := range 2 {
+			crash.Pattern(1<<40, uint64(2*c+i), p[i*crash.SectorSize:])
+		}
+		if err := devs[1].Write(p, int64(c)*int64(len(p)), false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, d := range devs {
+		d.Close()
+	}
+	if err := pool.Sync(); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // newDevice makes each table of a set a mapped device on the flush engine f.

@@ -35,6 +35,8 @@ type Device struct {
 	inFlight atomic.Int64
 	holding  atomic.Bool
 
+	cycle sync.Mutex // serialises Suspend and Resume
+
 	mu        sync.Mutex
 	changed   sync.Cond // inFlight drained, or holding cleared
 	suspended bool
@@ -68,6 +70,7 @@ func New(name string, t *table.Table, f *flush.Engine, d *discard.Engine) *Devic
 	m := &Device{name: name, id: backing.ID{Dev: mappedDev, Ino: mappedIno.Add(1)}, flush: f, discard: d}
 	m.changed.L = &m.mu
 	m.active.Store(newLive(t))
+	t.Activate() // created and resumed, as dmsetup create does
 	return m
 }
 
@@ -158,13 +161,24 @@ func (m *Device) ClearInactive() {
 
 // Suspend stops admitting requests, waits for those in flight, and
 // flushes every device below, as dm's suspend does; new requests wait
-// until Resume. Suspending a suspended device does nothing.
+// until Resume. Suspending a suspended device does nothing. Background
+// work of the table's targets (a snapshot-merge's merge) stops first, as
+// in dm's presuspend, after the step in progress.
 func (m *Device) Suspend() error {
+	m.cycle.Lock()
+	defer m.cycle.Unlock()
+	return m.suspend()
+}
+
+func (m *Device) suspend() error {
 	m.mu.Lock()
 	if m.suspended {
 		m.mu.Unlock()
 		return nil
 	}
+	m.mu.Unlock()
+	m.active.Load().t.Deactivate()
+	m.mu.Lock()
 	m.holding.Store(true)
 	for m.inFlight.Load() > 0 {
 		m.changed.Wait()
@@ -179,13 +193,17 @@ func (m *Device) Suspend() error {
 // Resume makes the inactive table active, if one is loaded, and releases
 // the requests held while suspended. Resuming a device that is not
 // suspended with a table loaded suspends it first, as dm does. It reports
-// whether the table changed.
+// whether the table changed. The active table's targets are activated
+// before held requests go on: a snapshot taking another's store over does
+// so here, and a merge starts or resumes.
 func (m *Device) Resume() (swapped bool, err error) {
+	m.cycle.Lock()
+	defer m.cycle.Unlock()
 	m.mu.Lock()
 	needSuspend := !m.suspended && m.inactive != nil
 	m.mu.Unlock()
 	if needSuspend {
-		if err := m.Suspend(); err != nil {
+		if err := m.suspend(); err != nil {
 			return false, err
 		}
 	}
@@ -195,6 +213,12 @@ func (m *Device) Resume() (swapped bool, err error) {
 		old = m.active.Swap(newLive(m.inactive)).t
 		m.inactive = nil
 	}
+	resuming := m.suspended
+	m.mu.Unlock()
+	if resuming {
+		m.active.Load().t.Activate()
+	}
+	m.mu.Lock()
 	if m.suspended {
 		m.st.suspended += time.Since(m.since)
 		m.st.resumes++

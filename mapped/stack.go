@@ -99,6 +99,7 @@ func (m *Device) Close() error {
 	inactive := m.inactive
 	m.inactive = nil
 	m.mu.Unlock()
+	m.active.Load().t.Deactivate()
 	err := m.active.Load().t.Close()
 	if inactive != nil {
 		err = errors.Join(err, inactive.Close())

@@ -14,6 +14,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/remote"
+	"github.com/nbdmapper/nbdmapper/snapshot"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -197,6 +198,23 @@ var (
 	descRemoteLost = desc("nbdmapper_remote_writes_lost",
 		"1 if a connection to the remote export dropped or was remade with unflushed writes, so that every flush of it fails until restart, else 0.",
 		"device")
+	// Snapshots (package snapshot, for the whole process).
+	descSnapCommits = desc("nbdmapper_snapshot_commits_total",
+		"Metadata commits of persistent snapshot stores: each one sync, one metadata write, one sync, for every exception ready at the time.")
+	descSnapExceptions = desc("nbdmapper_snapshot_exceptions_total",
+		"Exceptions (chunks copied to a COW device) those commits carried; over commits, the batching.")
+	descSnapMaxBatch = desc("nbdmapper_snapshot_commit_batch_max",
+		"The most exceptions one commit has carried since start.")
+	descSnapMergesRunning = desc("nbdmapper_snapshot_merges_running",
+		"snapshot-merge devices merging now.")
+	descSnapMergesDone = desc("nbdmapper_snapshot_merges_completed_total",
+		"snapshot-merge merges that finished: the origin holds the snapshot.")
+	descSnapMergeFailures = desc("nbdmapper_snapshot_merge_failures_total",
+		"snapshot-merge merges stopped by a device error (status Merge failed).")
+	descSnapMergedBytes = desc("nbdmapper_snapshot_merged_bytes_total",
+		"Bytes merges copied from COW devices back to their origins.")
+	descSnapHandovers = desc("nbdmapper_snapshot_handovers_total",
+		"COW stores handed from one loaded snapshot to another (lvconvert --merge, a reloaded snapshot).")
 
 	// Tables.
 	descExportSize = desc("nbdmapper_export_size_bytes",
@@ -289,6 +307,8 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 		descRemoteConnections, descRemoteConnectionsWanted, descRemoteReconnects, descRemoteDisconnects,
 		descRemoteConnectErrors, descRemoteRetries, descRemoteTimeouts, descRemoteRequests,
 		descRemoteErrorReplies, descRemoteInFlight, descRemoteUnflushed, descRemoteLost,
+		descSnapCommits, descSnapExceptions, descSnapMaxBatch, descSnapMergesRunning,
+		descSnapMergesDone, descSnapMergeFailures, descSnapMergedBytes, descSnapHandovers,
 		descBuildInfo,
 	} {
 		ch <- d
@@ -311,6 +331,7 @@ func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	if c.cfg.Remotes != nil {
 		collectRemotes(ch, c.cfg.Remotes.Stats())
 	}
+	collectSnapshot(ch, snapshot.ReadStats())
 }
 
 // collectRemotes reports every remote export the tables opened.
@@ -331,6 +352,17 @@ func collectRemotes(ch chan<- prometheus.Metric, stats []remote.Stats) {
 		gauge(ch, descRemoteUnflushed, float64(s.Unflushed), s.Name)
 		gauge(ch, descRemoteLost, b2f(s.Lost), s.Name)
 	}
+}
+
+func collectSnapshot(ch chan<- prometheus.Metric, s snapshot.Stats) {
+	counter(ch, descSnapCommits, s.Commits)
+	counter(ch, descSnapExceptions, s.Exceptions)
+	gauge(ch, descSnapMaxBatch, float64(s.MaxBatch))
+	gauge(ch, descSnapMergesRunning, float64(s.MergesRunning))
+	counter(ch, descSnapMergesDone, s.MergesDone)
+	counter(ch, descSnapMergeFailures, s.MergeFail)
+	counter(ch, descSnapMergedBytes, s.MergedBytes)
+	counter(ch, descSnapHandovers, s.Handovers)
 }
 
 func counter(ch chan<- prometheus.Metric, d *prometheus.Desc, v uint64, labels ...string) {

@@ -1,7 +1,8 @@
-// Package snapshot implements device-mapper's snapshot and snapshot-origin
-// targets as stacked backing devices, with exception stores byte-compatible
-// with dm-snapshot's: a COW device written here can be activated by the
-// kernel's dm-snapshot, and one the kernel wrote can be served here.
+// Package snapshot implements device-mapper's snapshot, snapshot-origin and
+// snapshot-merge targets as stacked backing devices, with exception stores
+// byte-compatible with dm-snapshot's: a COW device written here can be
+// activated (and merged) by the kernel's dm-snapshot, and one the kernel
+// wrote can be served (and merged) here.
 //
 //	client -> nbdtarget -> table -> flush / discard -> backing
 //	                         |                            ^
@@ -32,7 +33,11 @@
 //	    that does not fit still invalidates, as in dm.
 //	N   transient: exceptions in memory only; chunks allocated from 0.
 //
-// Not implemented: snapshot-merge, and dm's exception handover between two
-// tables sharing one COW device (a second snapshot on the same COW device
-// is refused).
+// Exceptions of concurrent first writes are committed together, in
+// allocation order (pending.go); a snapshot-merge device merges its COW
+// back into the origin in the background, in the kernel's order and with
+// its on-disk steps (merge.go); a snapshot loaded on a COW another one
+// uses takes that one's store over when activated (handover.go).
+// Settings shared by the whole process, such as the merge rate, are set
+// with Configure; Stats counts commits, batching and merges.
 package snapshot

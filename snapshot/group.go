@@ -1,6 +1,7 @@
 package snapshot
 
 import (
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -12,26 +13,46 @@ import (
 // snapshot targets look up by block device. Groups live in one registry per
 // process, so that tables loaded separately still see each other.
 //
-// mu orders copy-outs against everything that reads a chunk's location:
+// What keeps an origin chunk from changing under someone who still needs
+// its old contents:
 //
-//	holder               lock    when
-//	snapshot read        read    always
-//	snapshot write       read    every chunk already has an exception
-//	                     write   some chunk needs one (allocate, copy, commit)
-//	origin write         read    every snapshot has every chunk already
-//	                     write   some snapshot needs a copy-out first
+//	who needs it                    how the origin write waits
+//	a copy-out or fill in progress  its pending exception (pending.go)
+//	a snapshot read of the origin   reads (a tracker): a pending exception
+//	                                is removed only after the reads that
+//	                                began before its commit
 //
-// So an origin chunk is never overwritten while a snapshot may still read
-// it from the origin, and the exception maps change only under the write lock.
+// An origin write goes ahead at once when every snapshot has an exception
+// and no pending one for each chunk it touches.
 type group struct {
 	mu    sync.RWMutex
 	snaps []*Snapshot // guarded by mu
+	reads tracker     // snapshot reads of the origin in flight, in origin bytes
+}
+
+func (g *group) add(s *Snapshot) {
+	g.mu.Lock()
+	g.snaps = append(g.snaps, s)
+	g.mu.Unlock()
+}
+
+func (g *group) remove(s *Snapshot) {
+	g.mu.Lock()
+	g.snaps = slices.DeleteFunc(g.snaps, func(x *Snapshot) bool { return x == s })
+	g.mu.Unlock()
+}
+
+// list is the snapshots now, in the order they were loaded.
+func (g *group) list() []*Snapshot {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	return slices.Clone(g.snaps)
 }
 
 var registry struct {
 	mu     sync.Mutex
 	groups map[backing.ID]*group    // by origin device
-	cows   map[backing.ID]*Snapshot // by COW device, to refuse sharing one
+	cows   map[backing.ID]*Snapshot // by COW device: the snapshot whose store it is
 }
 
 // groupOf returns the group of the origin device id, creating it. Groups are
@@ -50,27 +71,50 @@ func groupOf(id backing.ID) *group {
 	return g
 }
 
-// claimCOW records that s uses its COW device, failing if another
-// snapshot already does.
-func claimCOW(s *Snapshot) error {
+// claimCOW records that s uses its COW device. If another snapshot owns
+// it, s becomes that one's handover destination and claimCOW returns the
+// owner (dm's __validate_exception_handover); a second destination, or a
+// second merging one, is refused.
+func claimCOW(s *Snapshot) (src *Snapshot, err error) {
 	registry.mu.Lock()
 	defer registry.mu.Unlock()
 	id := s.cow.ID()
-	if registry.cows[id] != nil {
-		return ErrCOWInUse
+	src = registry.cows[id]
+	if src == nil {
+		if registry.cows == nil {
+			registry.cows = make(map[backing.ID]*Snapshot)
+		}
+		registry.cows[id] = s
+		return nil, nil
 	}
-	if registry.cows == nil {
-		registry.cows = make(map[backing.ID]*Snapshot)
+	if src.dest != nil {
+		return nil, ErrCOWInUse
 	}
-	registry.cows[id] = s
-	return nil
+	if s.opt.Merge && src.opt.Merge {
+		return nil, ErrMerging
+	}
+	if s.opt.Merge && src.opt.Type == Transient {
+		return nil, ErrMergeStore
+	}
+	src.dest, s.src = s, src
+	return src, nil
 }
 
+// releaseCOW gives up s's claim: its store, or its place as a handover
+// destination; a destination waiting for s is cancelled (dm marks it
+// invalid).
 func releaseCOW(s *Snapshot) {
 	registry.mu.Lock()
 	defer registry.mu.Unlock()
 	if registry.cows[s.cow.ID()] == s {
 		delete(registry.cows, s.cow.ID())
+	}
+	if s.dest != nil {
+		s.dest.src, s.dest.cancelled = nil, true
+		s.dest = nil
+	}
+	if s.src != nil {
+		s.src.dest, s.src = nil, nil
 	}
 }
 

@@ -19,8 +19,9 @@ import (
 //	write                    [7K..9K)
 //	A: chunks 1 and 2 are copied out (unless A already has them)
 //	B: chunks 0 and 1 are copied out
-//	each snapshot commits its new exceptions (sync, metadata, sync), and
-//	only then is the origin written.
+//	each snapshot commits its new exceptions (sync, metadata, sync),
+//	sharing the commit with other writers' exceptions that are ready,
+//	and only then is the origin written.
 //
 // A snapshot whose COW cannot take the copy is invalidated (even PO, as in
 // dm); the origin write goes ahead regardless.
@@ -87,7 +88,7 @@ func (o *Origin) WriteAt(p []byte, off int64) (int, error) {
 		return 0, err
 	}
 	var n int
-	err := o.change(off, int64(len(p)), func() (err error) {
+	err := o.g.change(off, int64(len(p)), func() (err error) {
 		n, err = o.origin.WriteAt(p, off)
 		return err
 	})
@@ -99,46 +100,53 @@ func (o *Origin) Discard(off, n int64) error {
 	if err := o.check(off, n); err != nil {
 		return err
 	}
-	return o.change(off, n, func() error { return o.origin.Discard(off, n) })
+	return o.g.change(off, n, func() error { return o.origin.Discard(off, n) })
 }
 
 func (o *Origin) Zero(off, n int64, mayPunch bool) error {
 	if err := o.check(off, n); err != nil {
 		return err
 	}
-	return o.change(off, n, func() error { return o.origin.Zero(off, n, mayPunch) })
+	return o.g.change(off, n, func() error { return o.origin.Zero(off, n, mayPunch) })
 }
 
 // change runs fn, which modifies [off, off+n) of the origin, after copying
-// the old contents out to every snapshot that needs them.
-func (o *Origin) change(off, n int64, fn func() error) error {
-	g := o.g
-	g.mu.RLock()
-	if !g.needsCopy(off, n) {
-		defer g.mu.RUnlock()
+// the old contents out to every snapshot that needs them (dm's
+// __origin_write). Snapshots are visited in the group's order; in each,
+// change waits for other copies of the same chunks, claims the chunks it
+// lacks, copies them and marks them ready without waiting for the commit,
+// so that what it holds never keeps another writer's commit from going
+// through. Then it waits for every commit, for the snapshot reads of those
+// origin chunks that began before them, and only then runs fn. A merging
+// snapshot gets no copies: its chunks go back to the origin, not out of it.
+func (g *group) change(off, n int64, fn func() error) error {
+	if n == 0 {
 		return fn()
 	}
-	g.mu.RUnlock()
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	for _, s := range g.snaps {
-		s.copyOut(off, n)
+	type held struct {
+		s     *Snapshot
+		fresh []*pending
+	}
+	var hs []held
+	for _, s := range g.list() {
+		if fresh := s.copyOut(off, n); len(fresh) > 0 {
+			hs = append(hs, held{s, fresh})
+		}
+	}
+	if len(hs) == 0 {
+		return fn()
+	}
+	lo, hi := off, off+n
+	for _, h := range hs {
+		h.s.awaitCommit(h.fresh) // a failure has invalidated h.s; the origin write goes on
+		l, e := h.s.chunkSpan(h.fresh)
+		lo, hi = min(lo, l), max(hi, e)
+	}
+	g.reads.drain(lo, hi, g.reads.mark())
+	for _, h := range hs {
+		h.s.removePending(h.fresh)
 	}
 	return fn()
-}
-
-// needsCopy reports whether some valid snapshot lacks an exception for a
-// chunk of [off, off+n). Called with g.mu held.
-func (g *group) needsCopy(off, n int64) bool {
-	for _, s := range g.snaps {
-		if !s.st.valid {
-			continue
-		}
-		if lo, k := s.clip(off, n); k > 0 && !s.allMapped(lo, k) {
-			return true
-		}
-	}
-	return false
 }
 
 // clip cuts [off, off+n) to the snapshot's size: dm skips snapshots that
@@ -150,49 +158,61 @@ func (s *Snapshot) clip(off, n int64) (int64, int64) {
 	return off, min(n, s.size-off)
 }
 
-// copyOut gives s an exception for every chunk of [off, off+n) it lacks,
-// holding the origin's current contents. Failure invalidates s. Called
-// with g.mu held for writing.
-func (s *Snapshot) copyOut(off, n int64) {
-	if !s.st.valid {
-		return
-	}
+// copyOut gives s a pending exception for every chunk of [off, off+n) it
+// lacks, copies the origin's current contents into them and marks them
+// ready; the caller waits for their commit and removes them. It waits
+// first for pending exceptions of the same chunks, made by others. A COW
+// that cannot take the copy invalidates s.
+func (s *Snapshot) copyOut(off, n int64) []*pending {
 	off, n = s.clip(off, n)
 	if n == 0 {
-		return
+		return nil
 	}
-	chunk := s.st.chunk
-	var fresh []exception
-	var buf []byte
-	var cerr error
-	for c := uint64(off / chunk); c <= uint64((off+n-1)/chunk); c++ {
-		if _, ok := s.st.lookup(c); ok {
+	for {
+		s.mu.Lock()
+		if !s.active || s.opt.Merge || s.closed || s.handedOver || !s.st.valid {
+			s.mu.Unlock()
+			return nil
+		}
+		chunk := s.st.chunk
+		busy, fresh, err := s.claimLocked(uint64(off/chunk), uint64((off+n-1)/chunk))
+		if busy != nil {
+			s.mu.Unlock()
+			<-busy.removed
 			continue
 		}
-		nc, err := s.st.prepare()
 		if err != nil {
-			cerr = err
-			break
+			// dm invalidates a snapshot that cannot take a copy-out,
+			// even PO. The chunks claimed before fail with it.
+			ierr := s.invalidateLocked(err)
+			for _, p := range fresh {
+				p.err = ierr
+			}
 		}
-		if buf == nil {
-			buf = make([]byte, chunk)
+		s.mu.Unlock()
+		for _, p := range fresh {
+			if p.err == nil {
+				start := int64(p.old) * chunk
+				p.err = backing.Guard(s.cow.Name(), onPanic(), func() error {
+					return s.copyOrigin(int64(p.new)*chunk, start, chunk)
+				})
+			}
 		}
-		if err := s.readOriginChunk(buf, c); err != nil {
-			cerr = err
-			break
-		}
-		if err := s.st.writeChunk(buf, nc); err != nil {
-			cerr = err
-			break
-		}
-		fresh = append(fresh, exception{Old: c, New: nc})
+		s.readyAll(fresh)
+		return fresh
 	}
-	if len(fresh) > 0 {
-		if err := s.st.commit(fresh); err != nil {
-			cerr = err
+}
+
+// removePending forgets ps and wakes their waiters. The caller has waited
+// for the reads ps protect (release does both).
+func (s *Snapshot) removePending(ps []*pending) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, p := range ps {
+		if s.pending[p.old] == p {
+			delete(s.pending, p.old)
 		}
+		close(p.removed)
 	}
-	if cerr != nil {
-		s.invalidate(cerr)
-	}
+	s.cond.Broadcast()
 }

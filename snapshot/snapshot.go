@@ -3,7 +3,7 @@ package snapshot
 import (
 	"errors"
 	"fmt"
-	"slices"
+	"sync"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 )
@@ -24,6 +24,9 @@ type Options struct {
 	DiscardZeroesCOW bool
 	// DiscardPassdownOrigin also discards the origin (needs DiscardZeroesCOW).
 	DiscardPassdownOrigin bool
+	// Merge makes a snapshot-merge device: it merges the COW back into the
+	// origin once activated (see merge.go). P and PO stores only.
+	Merge bool
 }
 
 // Snapshot is a copy-on-write view of an origin device: a backing.Device
@@ -37,12 +40,16 @@ type Options struct {
 //	origin chunk      0          1          2
 //	                  [----------|==========|----------]
 //	write                   [3K ..............9K)
-//	chunk 0: no exception: allocate COW chunk 3, copy origin chunk 0,
-//	         overlay [3K, 4K), write it to COW chunk 3
+//	chunk 0: no exception: allocate COW chunk 3 (pending), copy origin
+//	         [0, 3K) into it, write [3K, 4K) of the request
 //	chunk 1: exception: write [4K, 8K) to COW chunk 2 in place
-//	chunk 2: no exception: allocate COW chunk 4, copy, overlay [8K, 9K)
-//	then commit {0 -> 3, 2 -> 4} (persistent: sync, metadata, sync)
-//	and only then return.
+//	chunk 2: no exception: allocate COW chunk 4, write [8K, 9K), copy
+//	         origin [9K, 12K)
+//	then commit {0 -> 3, 2 -> 4} (persistent: sync, metadata, sync),
+//	together with whatever other writers have ready, and only then return.
+//
+// Reads and writes to chunks that have an exception take the snapshot's
+// mutex only to look the chunks up: they never wait for a commit.
 type Snapshot struct {
 	name   string
 	id     backing.ID
@@ -52,10 +59,21 @@ type Snapshot struct {
 	size   int64
 	g      *group
 
-	// Guarded by g.mu.
+	mu   sync.Mutex
+	cond sync.Cond // a commit finished, pending exceptions went, I/O drained, a merge step ended
+
+	// Guarded by mu.
 	st         *store
+	active     bool // copy-outs reach it; false for a handover destination until Activate
 	overflowed bool
 	closed     bool
+	inflight   int // reads and writes running outside mu
+	pending    map[uint64]*pending
+	queue      []*pending // pending exceptions not yet committed, in allocation order
+	committing bool
+
+	handover // handover.go
+	merge    // merge.go
 }
 
 var _ backing.Device = (*Snapshot)(nil)
@@ -64,12 +82,21 @@ var _ backing.Device = (*Snapshot)(nil)
 // or initialising the exception store, and registers it with every other
 // snapshot and snapshot-origin device of the same origin (by backing.ID).
 // name is for logs. Close unregisters it; it does not close origin or cow.
+//
+// A COW device that another loaded snapshot uses makes the new one a
+// handover destination, as in dm: it reads nothing now, and takes the
+// other one's exceptions when activated (Activate), which leaves the
+// other one invalid. lvconvert --merge loads a snapshot-merge table on
+// the COW of the snapshot being merged this way.
 func Open(name string, origin, cow backing.Device, opt Options) (*Snapshot, error) {
 	if origin.ID() == cow.ID() {
 		return nil, ErrSameDevice
 	}
 	if opt.DiscardPassdownOrigin && !opt.DiscardZeroesCOW {
 		return nil, errors.New("discard_passdown_origin feature depends on discard_zeroes_cow")
+	}
+	if opt.Merge && opt.Type == Transient {
+		return nil, ErrMergeStore
 	}
 	size := opt.Size
 	if size == 0 {
@@ -79,28 +106,43 @@ func Open(name string, origin, cow backing.Device, opt Options) (*Snapshot, erro
 		return nil, fmt.Errorf("snapshot size %d beyond the origin's %d bytes", size, origin.Size())
 	}
 	s := &Snapshot{name: name, id: newStackedID(), origin: origin, cow: cow, opt: opt, size: size}
-	if err := claimCOW(s); err != nil {
-		return nil, err
-	}
-	st, err := openStore(cow, opt.Type, opt.ChunkSectors)
-	if err != nil {
-		releaseCOW(s)
-		return nil, err
-	}
-	s.st = st
+	s.cond.L = &s.mu
 	s.g = groupOf(origin.ID())
-	s.g.mu.Lock()
-	s.g.snaps = append(s.g.snaps, s)
-	s.g.mu.Unlock()
+	src, err := claimCOW(s)
+	if err != nil {
+		return nil, err
+	}
+	if src == nil {
+		st, err := openStore(cow, opt.Type, opt.ChunkSectors)
+		if err != nil {
+			releaseCOW(s)
+			return nil, err
+		}
+		s.st = st
+		s.active = true
+	} else {
+		// Nothing is read until the handover; until then the snapshot
+		// fails its I/O and prints the table's chunk size.
+		s.st = &store{typ: opt.Type, chunkSectors: opt.ChunkSectors, chunk: int64(opt.ChunkSectors) * 512}
+	}
+	s.g.add(s)
 	return s, nil
 }
 
 func (s *Snapshot) Name() string           { return s.name }
 func (s *Snapshot) ID() backing.ID         { return s.id }
 func (s *Snapshot) Size() int64            { return s.size }
-func (s *Snapshot) Sync() error            { return s.cow.Sync() }
 func (s *Snapshot) Origin() backing.Device { return s.origin }
 func (s *Snapshot) COW() backing.Device    { return s.cow }
+
+// Sync makes the snapshot's completed writes durable: they are on the COW
+// device, and, while merging, on the origin too.
+func (s *Snapshot) Sync() error {
+	if s.opt.Merge {
+		return errors.Join(s.cow.Sync(), s.origin.Sync())
+	}
+	return s.cow.Sync()
+}
 
 // Devices lists the devices the snapshot reads or writes: COW and origin.
 func (s *Snapshot) Devices() []backing.Device { return []backing.Device{s.cow, s.origin} }
@@ -109,7 +151,11 @@ func (s *Snapshot) Devices() []backing.Device { return []backing.Device{s.cow, s
 // one for an existing persistent store).
 func (s *Snapshot) Type() Type { return s.opt.Type }
 
-func (s *Snapshot) ChunkSectors() uint32 { return s.st.chunkSectors }
+func (s *Snapshot) ChunkSectors() uint32 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.st.chunkSectors
+}
 
 // Features are the feature arguments as dm prints them: "", or
 // "1 discard_zeroes_cow", or "2 discard_zeroes_cow discard_passdown_origin".
@@ -123,15 +169,19 @@ func (s *Snapshot) Features() []string {
 	return nil
 }
 
-// Status is the line `dmsetup status` prints for the target:
-// "<sectors_allocated>/<total_sectors> <metadata_sectors>", "Invalid" or
-// "Overflow".
+// Status is the line `dmsetup status` prints for the target, with dm's
+// precedence: "Invalid", "Merge failed", "Overflow", or
+// "<sectors_allocated>/<total_sectors> <metadata_sectors>". A merging
+// snapshot's numbers fall as the merge proceeds; it is done when the
+// allocated sectors equal the metadata sectors.
 func (s *Snapshot) Status() string {
-	s.g.mu.RLock()
-	defer s.g.mu.RUnlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	switch {
-	case !s.st.valid:
+	case !s.st.valid || s.handedOver:
 		return "Invalid"
+	case s.mergeFailed:
+		return "Merge failed"
 	case s.overflowed:
 		return "Overflow"
 	}
@@ -142,28 +192,29 @@ func (s *Snapshot) Status() string {
 // Limits: with discard_zeroes_cow discards are cut to whole chunks, as dm
 // sets discard_granularity and max_discard_sectors to the chunk size.
 func (s *Snapshot) Limits() backing.Limits {
-	if s.opt.DiscardZeroesCOW {
-		return backing.Limits{Granularity: s.st.chunk, MaxBytes: s.st.chunk}
+	if s.opt.DiscardZeroesCOW && !s.opt.Merge {
+		chunk := int64(s.ChunkSectors()) * 512
+		return backing.Limits{Granularity: chunk, MaxBytes: chunk}
 	}
 	return backing.Limits{Granularity: 512}
 }
-
-// Holes reports nothing: the snapshot does not know its allocation.
-func (s *Snapshot) Holes(off, n int64) ([]backing.Range, error) { return nil, nil }
 
 // Zero is not native: the caller writes zeros, which go through WriteAt's
 // copy-on-write like any other data.
 func (s *Snapshot) Zero(off, n int64, mayPunch bool) error { return backing.ErrNotSupported }
 
-// Close unregisters the snapshot from its origin; later I/O fails.
+// Close stops a merge, unregisters the snapshot from its origin and frees
+// its COW device; later I/O fails. A handover waiting for it is cancelled.
 func (s *Snapshot) Close() error {
-	s.g.mu.Lock()
-	defer s.g.mu.Unlock()
+	s.stopMerge()
+	s.mu.Lock()
 	if s.closed {
+		s.mu.Unlock()
 		return nil
 	}
 	s.closed = true
-	s.g.snaps = slices.DeleteFunc(s.g.snaps, func(x *Snapshot) bool { return x == s })
+	s.mu.Unlock()
+	s.g.remove(s)
 	releaseCOW(s)
 	return nil
 }
@@ -175,17 +226,30 @@ func (s *Snapshot) check(off, n int64) error {
 	return nil
 }
 
-// usable reports why I/O must fail, if it must. Called with g.mu held.
-func (s *Snapshot) usable(write bool) error {
+// usableLocked reports why I/O must fail, if it must. Called with s.mu held.
+func (s *Snapshot) usableLocked(write bool) error {
 	switch {
 	case s.closed:
 		return fmt.Errorf("snapshot %s: closed: %w", s.name, ErrInvalid)
+	case s.handedOver:
+		return fmt.Errorf("snapshot %s: handed over to another table: %w", s.name, ErrInvalid)
+	case !s.active:
+		return fmt.Errorf("snapshot %s: not active (awaiting handover): %w", s.name, ErrInvalid)
 	case !s.st.valid:
 		return fmt.Errorf("snapshot %s: %w", s.name, ErrInvalid)
 	case write && s.overflowed:
 		return fmt.Errorf("snapshot %s: %w", s.name, ErrOverflow)
 	}
 	return nil
+}
+
+// exit ends I/O counted in inflight.
+func (s *Snapshot) exit() {
+	s.mu.Lock()
+	if s.inflight--; s.inflight == 0 {
+		s.cond.Broadcast()
+	}
+	s.mu.Unlock()
 }
 
 // piece is the part of a request inside one chunk.
@@ -209,63 +273,187 @@ func pieces(chunk, off, n int64, fn func(piece) error) error {
 	return nil
 }
 
-// run coalesces device I/O over consecutive chunks that are also
-// consecutive on the same device.
-type run struct {
-	dev      backing.Device
-	off, pos int64
-	n        int64
-	write    bool
-	p        []byte
+// op is one device call of a request, planned under s.mu and issued
+// outside it: n bytes at pos of the request buffer, at off on dev. fill,
+// when set, is the pending exception of a chunk this op starts; the parts
+// of the chunk the op does not cover are copied from the origin first.
+type op struct {
+	dev    backing.Device
+	off    int64
+	pos, n int64
+	fill   *pending
+	in     int64 // the op's offset inside its chunk (fill only)
 }
 
-func (r *run) add(dev backing.Device, off, pos, n int64) error {
-	if r.n > 0 && r.dev == dev && r.off+r.n == off && r.pos+r.n == pos {
-		r.n += n
+// plan is a request's ops. Consecutive ops that are consecutive on the
+// same device are joined, so a read of a run of chunks is one call.
+type plan struct{ ops []op }
+
+var planPool = sync.Pool{New: func() any { return &plan{ops: make([]op, 0, 16)} }}
+
+func getPlan() *plan { return planPool.Get().(*plan) }
+
+func putPlan(p *plan) {
+	if cap(p.ops) > 1024 {
+		return
+	}
+	clear(p.ops)
+	p.ops = p.ops[:0]
+	planPool.Put(p)
+}
+
+func (p *plan) add(dev backing.Device, off, pos, n int64) {
+	if k := len(p.ops) - 1; k >= 0 {
+		if l := &p.ops[k]; l.fill == nil && l.dev == dev && l.off+l.n == off && l.pos+l.n == pos {
+			l.n += n
+			return
+		}
+	}
+	p.ops = append(p.ops, op{dev: dev, off: off, pos: pos, n: n})
+}
+
+// run issues the ops of a read (write false) or a write. A fill op's
+// failure is recorded in its pending exception (it fails the commit and
+// invalidates the snapshot, as a failed copy does in dm) and the other ops
+// still run; the first error of any op is returned.
+func (s *Snapshot) run(pl *plan, p []byte, write bool) error {
+	var first error
+	for i := range pl.ops {
+		o := &pl.ops[i]
+		var err error
+		if o.fill != nil {
+			err = s.fillChunk(o, p[o.pos:o.pos+o.n])
+			o.fill.err = err
+		} else {
+			err = backing.Guard(o.dev.Name(), onPanic(), func() error {
+				if write {
+					_, err := o.dev.WriteAt(p[o.pos:o.pos+o.n], o.off)
+					return err
+				}
+				_, err := o.dev.ReadAt(p[o.pos:o.pos+o.n], o.off)
+				return err
+			})
+		}
+		if err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+// fillChunk writes data into the fresh COW chunk of o, copying the rest of
+// the chunk from the origin (the pending exception keeps the origin chunk
+// still meanwhile).
+func (s *Snapshot) fillChunk(o *op, data []byte) error {
+	chunk := s.st.chunk
+	start := int64(o.fill.old) * chunk
+	cowAt := int64(o.fill.new) * chunk
+	return backing.Guard(s.cow.Name(), onPanic(), func() error {
+		if chunk <= copyBuffer && int64(len(data)) < chunk {
+			// One read and one write: the origin chunk, overlaid.
+			bp := copyPool.Get().(*[]byte)
+			defer copyPool.Put(bp)
+			buf := (*bp)[:chunk]
+			k := max(min(chunk, s.origin.Size()-start), 0)
+			clear(buf[k:])
+			if k > 0 {
+				if _, err := s.origin.ReadAt(buf[:k], start); err != nil {
+					return err
+				}
+			}
+			copy(buf[o.in:], data)
+			_, err := s.cow.WriteAt(buf, cowAt)
+			return err
+		}
+		if err := s.copyOrigin(cowAt, start, o.in); err != nil {
+			return err
+		}
+		if _, err := s.cow.WriteAt(data, cowAt+o.in); err != nil {
+			return err
+		}
+		tail := o.in + int64(len(data))
+		return s.copyOrigin(cowAt+tail, start+tail, chunk-tail)
+	})
+}
+
+// copyOrigin copies n bytes of the origin at from to the COW at to, in
+// pieces of one pooled buffer; what lies past the origin's end is not
+// copied (dm copies only what exists).
+func (s *Snapshot) copyOrigin(to, from, n int64) error {
+	n = min(n, s.origin.Size()-from)
+	if n <= 0 {
 		return nil
 	}
-	if err := r.flush(); err != nil {
-		return err
+	return copyRange(s.cow, to, s.origin, from, n)
+}
+
+// copyBuffer is the most one copy (a copy-out, a fill, a merge piece)
+// holds at once, whatever the chunk size.
+const copyBuffer = 256 << 10
+
+var copyPool = sync.Pool{New: func() any { b := make([]byte, copyBuffer); return &b }}
+
+// copyRange copies n bytes from src at from to dst at to.
+func copyRange(dst backing.Device, to int64, src backing.Device, from, n int64) error {
+	bp := copyPool.Get().(*[]byte)
+	defer copyPool.Put(bp)
+	buf := *bp
+	for done := int64(0); done < n; {
+		k := min(int64(len(buf)), n-done)
+		if _, err := src.ReadAt(buf[:k], from+done); err != nil {
+			return err
+		}
+		if _, err := dst.WriteAt(buf[:k], to+done); err != nil {
+			return err
+		}
+		done += k
 	}
-	r.dev, r.off, r.pos, r.n = dev, off, pos, n
 	return nil
-}
-
-func (r *run) flush() error {
-	if r.n == 0 {
-		return nil
-	}
-	var err error
-	if r.write {
-		_, err = r.dev.WriteAt(r.p[r.pos:r.pos+r.n], r.off)
-	} else {
-		_, err = r.dev.ReadAt(r.p[r.pos:r.pos+r.n], r.off)
-	}
-	r.n = 0
-	return err
 }
 
 func (s *Snapshot) ReadAt(p []byte, off int64) (int, error) {
 	if err := s.check(off, int64(len(p))); err != nil {
 		return 0, err
 	}
-	s.g.mu.RLock()
-	defer s.g.mu.RUnlock()
-	if err := s.usable(false); err != nil {
+	pl := getPlan()
+	defer putPlan(pl)
+	s.mu.Lock()
+	if err := s.usableLocked(false); err != nil {
+		through := s.passThroughLocked()
+		s.mu.Unlock()
+		if through {
+			return s.origin.ReadAt(p, off)
+		}
 		return 0, err
 	}
-	r := run{p: p}
+	// The part read from the origin is tracked, so that a copy-out
+	// committed meanwhile waits for this read before the origin changes.
+	lo, hi := int64(-1), int64(-1)
 	chunk := s.st.chunk
-	err := pieces(chunk, off, int64(len(p)), func(pc piece) error {
+	pieces(chunk, off, int64(len(p)), func(pc piece) error {
 		if n, ok := s.st.lookup(pc.chunk); ok {
-			return r.add(s.cow, int64(n)*chunk+pc.in, pc.pos, pc.n)
+			pl.add(s.cow, int64(n)*chunk+pc.in, pc.pos, pc.n)
+			return nil
 		}
-		return r.add(s.origin, int64(pc.chunk)*chunk+pc.in, pc.pos, pc.n)
+		at := int64(pc.chunk)*chunk + pc.in
+		if lo < 0 {
+			lo = at
+		}
+		hi = at + pc.n
+		pl.add(s.origin, at, pc.pos, pc.n)
+		return nil
 	})
-	if err == nil {
-		err = r.flush()
+	var id uint64
+	if lo >= 0 {
+		id = s.g.reads.add(lo, hi)
 	}
-	if err != nil {
+	s.inflight++
+	s.mu.Unlock()
+	defer s.exit()
+	if id != 0 {
+		defer s.g.reads.done(id)
+	}
+	if err := s.run(pl, p, false); err != nil {
 		return 0, err
 	}
 	return len(p), nil
@@ -275,127 +463,90 @@ func (s *Snapshot) WriteAt(p []byte, off int64) (int, error) {
 	if err := s.check(off, int64(len(p))); err != nil {
 		return 0, err
 	}
-	// Fast path: every chunk already has an exception.
-	s.g.mu.RLock()
-	err := s.usable(true)
-	if err == nil && s.allMapped(off, int64(len(p))) {
-		err = s.writeMapped(p, off)
-		s.g.mu.RUnlock()
-		if err != nil {
-			return 0, err
-		}
-		return len(p), nil
+	if s.opt.Merge {
+		return s.mergeWrite(p, off)
 	}
-	s.g.mu.RUnlock()
-	if err != nil {
-		return 0, err
-	}
-
-	s.g.mu.Lock()
-	defer s.g.mu.Unlock()
-	if err := s.usable(true); err != nil {
-		return 0, err
-	}
-	if err := s.writeCopying(p, off); err != nil {
-		return 0, err
-	}
-	return len(p), nil
-}
-
-// allMapped reports whether every chunk of [off, off+n) has an exception.
-func (s *Snapshot) allMapped(off, n int64) bool {
-	if n == 0 {
-		return true
-	}
-	for c := off / s.st.chunk; c <= (off+n-1)/s.st.chunk; c++ {
-		if _, ok := s.st.lookup(uint64(c)); !ok {
-			return false
+	for {
+		done, err := s.write(p, off)
+		if done {
+			if err != nil {
+				return 0, err
+			}
+			return len(p), nil
 		}
 	}
-	return true
 }
 
-func (s *Snapshot) writeMapped(p []byte, off int64) error {
-	r := run{p: p, write: true}
-	chunk := s.st.chunk
-	err := pieces(chunk, off, int64(len(p)), func(pc piece) error {
-		n, _ := s.st.lookup(pc.chunk)
-		return r.add(s.cow, int64(n)*chunk+pc.in, pc.pos, pc.n)
-	})
-	if err == nil {
-		err = r.flush()
+// write is one attempt at WriteAt; done is false when a chunk of the write
+// had a pending exception, which write waited for: try again.
+func (s *Snapshot) write(p []byte, off int64) (done bool, err error) {
+	pl := getPlan()
+	defer putPlan(pl)
+	s.mu.Lock()
+	if err := s.usableLocked(true); err != nil {
+		s.mu.Unlock()
+		return true, err
 	}
-	return err
-}
-
-// writeCopying is WriteAt's slow path, with g.mu held for writing.
-func (s *Snapshot) writeCopying(p []byte, off int64) error {
 	chunk := s.st.chunk
-	var fresh []exception
-	var buf []byte
-	werr := pieces(chunk, off, int64(len(p)), func(pc piece) error {
-		data := p[pc.pos : pc.pos+pc.n]
+	first, last := uint64(off/chunk), uint64((off+int64(len(p))-1)/chunk)
+	busy, fresh, ferr := s.claimLocked(first, last)
+	if busy != nil {
+		s.mu.Unlock()
+		<-busy.removed
+		return false, nil
+	}
+	// Plan up to the first chunk that could not be allocated.
+	next := 0
+	pieces(chunk, off, int64(len(p)), func(pc piece) error {
 		if n, ok := s.st.lookup(pc.chunk); ok {
-			_, err := s.cow.WriteAt(data, int64(n)*chunk+pc.in)
-			return err
+			pl.add(s.cow, int64(n)*chunk+pc.in, pc.pos, pc.n)
+			return nil
 		}
-		n, err := s.st.prepare()
-		if err != nil {
-			return err
+		if next == len(fresh) || fresh[next].old != pc.chunk {
+			return errFull
 		}
-		if pc.n < chunk {
-			// Partial chunk: the rest of it comes from the origin.
-			if buf == nil {
-				buf = make([]byte, chunk)
-			}
-			if err := s.readOriginChunk(buf, pc.chunk); err != nil {
-				return err
-			}
-			copy(buf[pc.in:], data)
-			data = buf
-		}
-		if err := s.st.writeChunk(data, n); err != nil {
-			return err
-		}
-		fresh = append(fresh, exception{Old: pc.chunk, New: n})
+		f := fresh[next]
+		next++
+		pl.ops = append(pl.ops, op{dev: s.cow, off: int64(f.new)*chunk + pc.in, pos: pc.pos, n: pc.n, fill: f, in: pc.in})
 		return nil
 	})
-	// Commit what was copied even if a later chunk failed, so that no
-	// allocated chunk is lost.
-	if len(fresh) > 0 {
-		if err := s.st.commit(fresh); err != nil {
-			return s.invalidate(err)
-		}
-	}
+	s.inflight++
+	s.mu.Unlock()
+	defer s.exit()
+
+	werr := s.run(pl, p, true)
+	s.readyAll(fresh)
+	cerr := s.awaitCommit(fresh)
+	s.release(fresh)
 	switch {
-	case werr == nil:
-		return nil
-	case errors.Is(werr, errFull) && s.opt.Type == PersistentOverflow:
+	case cerr != nil:
+		return true, cerr
+	case ferr != nil:
+		return true, s.full(ferr)
+	}
+	return true, werr
+}
+
+// full handles a snapshot write that found the COW full: PO overflows
+// (writes fail, reads go on), P and N invalidate.
+func (s *Snapshot) full(cause error) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.opt.Type == PersistentOverflow {
 		s.overflowed = true
 		return fmt.Errorf("snapshot %s: %w", s.name, ErrOverflow)
-	default:
-		return s.invalidate(werr)
 	}
+	return s.invalidateLocked(cause)
 }
 
-// readOriginChunk reads origin chunk c into buf; a last chunk cut short by
-// the end of the origin is padded with zeros (dm copies only what exists).
-func (s *Snapshot) readOriginChunk(buf []byte, c uint64) error {
-	start := int64(c) * s.st.chunk
-	n := min(s.st.chunk, s.origin.Size()-start)
-	clear(buf[max(n, 0):])
-	if n <= 0 {
-		return nil
-	}
-	_, err := s.origin.ReadAt(buf[:n], start)
-	return err
-}
-
-// invalidate marks the snapshot invalid after cause (dm's
-// __invalidate_snapshot); every later I/O fails. Called with g.mu held.
-func (s *Snapshot) invalidate(cause error) error {
-	if err := s.st.invalidate(); err != nil {
-		cause = errors.Join(cause, err)
+// invalidateLocked marks the snapshot invalid after cause (dm's
+// __invalidate_snapshot); every later I/O fails. For a persistent store
+// the header is rewritten with valid = 0. Called with s.mu held.
+func (s *Snapshot) invalidateLocked(cause error) error {
+	if s.st.valid {
+		if err := s.st.invalidate(); err != nil {
+			cause = errors.Join(cause, err)
+		}
 	}
 	return fmt.Errorf("snapshot %s: %w: %w", s.name, ErrInvalid, cause)
 }
@@ -405,40 +556,69 @@ func (s *Snapshot) invalidate(cause error) error {
 // snapshot reads zeros there, not the origin), parts of chunks are
 // discarded on the COW, and chunks without exception are left alone:
 // discarding them must not trigger a copy-out. discard_passdown_origin
-// also discards the origin, without copy-outs to other snapshots, as dm does.
+// also discards the origin, without copy-outs to other snapshots, as dm
+// does. A merging snapshot drops discards: dm's "once merging, discards no
+// longer effect change".
 func (s *Snapshot) Discard(off, n int64) error {
+	if s.opt.Merge {
+		return nil
+	}
 	if !s.opt.DiscardZeroesCOW {
 		return backing.ErrNotSupported
 	}
 	if err := s.check(off, n); err != nil {
 		return err
 	}
-	s.g.mu.Lock()
-	defer s.g.mu.Unlock()
-	if err := s.usable(true); err != nil {
-		return err
+	if n == 0 {
+		return nil
 	}
-	chunk := s.st.chunk
-	err := pieces(chunk, off, n, func(pc piece) error {
-		c, ok := s.st.lookup(pc.chunk)
-		if !ok {
-			return nil
-		}
-		at := int64(c)*chunk + pc.in
-		if pc.n == chunk {
-			return zeroOrWrite(s.cow, at, pc.n)
-		}
-		if err := s.cow.Discard(at, pc.n); err != nil && !errors.Is(err, backing.ErrNotSupported) {
+	type call struct{ at, n int64 }
+	var calls []call
+	for {
+		s.mu.Lock()
+		if err := s.usableLocked(true); err != nil {
+			s.mu.Unlock()
 			return err
 		}
-		return nil
-	})
-	if err == nil && s.opt.DiscardPassdownOrigin {
-		if err = s.origin.Discard(off, n); errors.Is(err, backing.ErrNotSupported) {
+		chunk := s.st.chunk
+		var busy *pending
+		for c := uint64(off / chunk); c <= uint64((off+n-1)/chunk) && busy == nil; c++ {
+			busy = s.pending[c]
+		}
+		if busy != nil {
+			s.mu.Unlock()
+			<-busy.removed
+			continue
+		}
+		pieces(chunk, off, n, func(pc piece) error {
+			if c, ok := s.st.lookup(pc.chunk); ok {
+				calls = append(calls, call{int64(c)*chunk + pc.in, pc.n})
+			}
+			return nil
+		})
+		s.inflight++
+		s.mu.Unlock()
+		break
+	}
+	defer s.exit()
+	chunk := int64(s.ChunkSectors()) * 512
+	for _, c := range calls {
+		var err error
+		if c.n == chunk {
+			err = zeroOrWrite(s.cow, c.at, c.n)
+		} else if err = s.cow.Discard(c.at, c.n); errors.Is(err, backing.ErrNotSupported) {
 			err = nil
 		}
+		if err != nil {
+			return err
+		}
 	}
-	return err
+	if s.opt.DiscardPassdownOrigin {
+		if err := s.origin.Discard(off, n); err != nil && !errors.Is(err, backing.ErrNotSupported) {
+			return err
+		}
+	}
+	return nil
 }
 
 // zeroOrWrite zeroes [off, off+n) on d, writing zeros if d cannot natively.
@@ -448,4 +628,67 @@ func zeroOrWrite(d backing.Device, off, n int64) error {
 		return err
 	}
 	return backing.WriteZeros(d, off, n)
+}
+
+// holeBlock is the smallest hole Holes reports: a hole piece left between
+// chunks with exceptions that is smaller is reported as data, which is
+// always safe, and keeps an answer to at most one range per 4 KiB (the
+// bound mapped.HolesMemory assumes).
+const holeBlock = 4096
+
+// Holes reports where the snapshot reads zeros because nothing was ever
+// allocated: the origin's holes, less the chunks that have an exception
+// (their data is on the COW, whatever it holds). Block status on a
+// snapshot therefore shows holes where both the COW has no exception and
+// the origin has a hole.
+//
+//	origin     [hole.................][data][hole......]
+//	exceptions        [c2]                       [c7]
+//	Holes      [hole ][c2][hole......][data][hole][c7]
+func (s *Snapshot) Holes(off, n int64) ([]backing.Range, error) {
+	if err := s.check(off, n); err != nil {
+		return nil, err
+	}
+	holes, err := s.origin.Holes(off, n)
+	if err != nil || len(holes) == 0 {
+		return nil, err
+	}
+	s.mu.Lock()
+	if err := s.usableLocked(false); err != nil {
+		through := s.passThroughLocked()
+		s.mu.Unlock()
+		if through {
+			return holes, nil
+		}
+		return nil, nil
+	}
+	chunk := s.st.chunk
+	s.mu.Unlock()
+	var out []backing.Range
+	emit := func(lo, hi int64) {
+		if chunk < holeBlock {
+			lo, hi = (lo+holeBlock-1)&^(holeBlock-1), hi&^(holeBlock-1)
+		}
+		if hi > lo {
+			out = append(out, backing.Range{Off: lo, Len: hi - lo})
+		}
+	}
+	for _, h := range holes {
+		lo, hi := max(h.Off, off), min(h.End(), off+n)
+		start := lo // start of the hole piece being built
+		// Look the chunks up a slice at a time, so that a long hole does
+		// not hold the snapshot's mutex for long.
+		for c := lo / chunk; c*chunk < hi; {
+			s.mu.Lock()
+			for k := 0; k < 4096 && c*chunk < hi; k, c = k+1, c+1 {
+				if _, ok := s.st.lookup(uint64(c)); ok {
+					emit(start, max(start, c*chunk))
+					start = min(hi, (c+1)*chunk)
+				}
+			}
+			s.mu.Unlock()
+		}
+		emit(start, hi)
+	}
+	return out, nil
 }

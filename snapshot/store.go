@@ -29,8 +29,15 @@ var (
 	ErrCOWSize = errors.New("COW device too small")
 	// ErrSameDevice: the COW device is the origin device.
 	ErrSameDevice = errors.New("COW device cannot be the same as origin device")
-	// ErrCOWInUse: another loaded snapshot already uses the COW device.
-	ErrCOWInUse = errors.New("COW device already used by another snapshot")
+	// ErrCOWInUse: two other loaded snapshots use the COW device already,
+	// its owner and a handover destination (dm: "Snapshot cow pairing for
+	// exception table handover failed").
+	ErrCOWInUse = errors.New("COW device already used by another snapshot and its handover destination")
+	// ErrMergeStore: snapshot-merge on a transient (N) store, which has no
+	// merge (dm: "Snapshot exception store does not support snapshot-merge").
+	ErrMergeStore = errors.New("snapshot exception store does not support snapshot-merge")
+	// ErrMerging: a second snapshot-merge on a COW that is merging already.
+	ErrMerging = errors.New("a snapshot is already merging")
 	// ErrStoreType: the store type is not P, PO or N.
 	ErrStoreType = errors.New("exception store type must be P, PO or N")
 
@@ -100,7 +107,10 @@ func CheckChunk(sectors uint32) error {
 // store is an exception store on a COW device: the map from origin chunks
 // to COW chunks, the allocator of COW chunks, and (persistent only) the
 // metadata areas that make both survive a restart. It is not safe for
-// concurrent use; the origin group's lock guards it.
+// concurrent use. Its owner, a Snapshot, guards exc, valid, nextFree and
+// shownArea with its mutex; the metadata area itself (area, curArea,
+// committed) belongs to whoever commits — one commit leader at a time, or
+// the merge — and is touched outside that mutex.
 type store struct {
 	typ          Type
 	cow          backing.Device
@@ -120,6 +130,9 @@ type store struct {
 	area      []byte // the current area, as on disk once committed
 	curArea   uint64
 	committed int // entries used in area
+	// shownArea is curArea as status reports it: updated under the
+	// owner's mutex once a commit or merge step has moved curArea.
+	shownArea uint64
 }
 
 // openStore reads (or, when the COW is new, initialises) the exception
@@ -195,6 +208,7 @@ func (s *store) readMetadata(tableChunk uint32) error {
 			break
 		}
 	}
+	s.shownArea = s.curArea
 	s.nextFree = skipMetadata(s.nextFree, s.perArea)
 	return nil
 }
@@ -293,73 +307,134 @@ func (s *store) prepare() (uint64, error) {
 	return n, nil
 }
 
-// commit makes exceptions whose data chunks the caller has written part of
-// the store. For a persistent store the order is dm's: the data (and a
+// commit writes the metadata of exceptions whose data chunks have been
+// written. For a persistent store the order is dm's: the data (and a
 // freshly wiped next area) are synced before the metadata that points at
-// them is written, and the metadata is synced before commit returns, so
-// an acknowledged write survives a crash and an unacknowledged one never
-// leaves an exception pointing at garbage.
+// them is written, and the caller syncs the metadata before it
+// acknowledges anything, so an acknowledged write survives a crash and an
+// unacknowledged one never leaves an exception pointing at garbage.
 //
-//	write data chunk(s) -> sync -> write metadata area -> sync -> ack
+//	write data chunk(s) -> sync -> write metadata area -> (caller) sync -> ack
 //
-// On error the store is no longer valid and the caller invalidates it.
-func (s *store) commit(es []exception) error {
-	if s.typ != Transient {
-		lo, hi := -1, -1
-		for _, e := range es {
-			putException(s.area, s.committed, e)
-			if lo < 0 {
-				lo = s.committed
-			}
-			s.committed++
-			hi = s.committed
-			if s.committed < int(s.perArea) {
-				continue
-			}
-			// Area full: wipe the next one first, so that a full area on
-			// disk is always followed by a terminating one.
-			if err := s.writeChunk(make([]byte, s.chunk), areaChunk(s.perArea, s.curArea+1)); err != nil {
-				s.valid = false
-				return fmt.Errorf("zero metadata area %d: %w", s.curArea+1, err)
-			}
-			if err := s.flushArea(lo, hi); err != nil {
-				return err
-			}
-			s.curArea++
-			s.committed = 0
-			clear(s.area)
-			lo, hi = -1, -1
-		}
-		if lo >= 0 {
-			if err := s.flushArea(lo, hi); err != nil {
-				return err
-			}
+// Every exception of es shares the syncs and the one metadata write (more
+// only where es fills an area). dataSynced says a sync that began after
+// the data was written has completed already (the previous commit's final
+// sync), so the first sync is not needed. commit does not add es to exc:
+// the owner does, under its mutex. On error the caller invalidates the
+// store.
+func (s *store) commit(es []exception, dataSynced bool) error {
+	if s.typ == Transient {
+		return nil
+	}
+	if !dataSynced {
+		if err := syncBeforeMetadata(s.cow); err != nil {
+			return fmt.Errorf("sync before metadata area %d: %w", s.curArea, err)
 		}
 	}
+	lo, hi := -1, -1
 	for _, e := range es {
-		s.exc[e.Old] = e.New
+		putException(s.area, s.committed, e)
+		if lo < 0 {
+			lo = s.committed
+		}
+		s.committed++
+		hi = s.committed
+		if s.committed < int(s.perArea) {
+			continue
+		}
+		// Area full: wipe the next one first, durably, so that a full
+		// area on disk is always followed by a terminating one.
+		if err := s.writeChunk(make([]byte, s.chunk), areaChunk(s.perArea, s.curArea+1)); err != nil {
+			return fmt.Errorf("zero metadata area %d: %w", s.curArea+1, err)
+		}
+		if err := syncBeforeMetadata(s.cow); err != nil {
+			return fmt.Errorf("sync before metadata area %d: %w", s.curArea, err)
+		}
+		if err := s.writeArea(lo, hi); err != nil {
+			return err
+		}
+		s.curArea++
+		s.committed = 0
+		clear(s.area)
+		lo, hi = -1, -1
+	}
+	if lo >= 0 {
+		return s.writeArea(lo, hi)
 	}
 	return nil
 }
 
-// flushArea writes entries [lo, hi) of the current area, rounded out to
-// whole sectors, between two syncs of the COW device (dm writes the area
-// with PREFLUSH|FUA).
-func (s *store) flushArea(lo, hi int) error {
+// writeArea writes entries [lo, hi) of the current area, rounded out to
+// whole sectors.
+func (s *store) writeArea(lo, hi int) error {
 	from := int64(lo*exceptionSize) &^ 511
 	to := min((int64(hi*exceptionSize)+511)&^511, s.chunk)
+	if err := s.io(s.area[from:to], int64(areaChunk(s.perArea, s.curArea))*s.chunk+from, true); err != nil {
+		return fmt.Errorf("write metadata area %d: %w", s.curArea, err)
+	}
+	return nil
+}
+
+// flushArea writes entries [lo, hi) of the current area between two syncs
+// of the COW device (dm writes the area with PREFLUSH|FUA).
+func (s *store) flushArea(lo, hi int) error {
 	err := syncBeforeMetadata(s.cow)
 	if err == nil {
-		err = s.io(s.area[from:to], int64(areaChunk(s.perArea, s.curArea))*s.chunk+from, true)
+		err = s.writeArea(lo, hi)
 	}
 	if err == nil {
 		err = s.cow.Sync()
 	}
 	if err != nil {
-		s.valid = false
 		return fmt.Errorf("commit metadata area %d: %w", s.curArea, err)
 	}
 	return nil
+}
+
+// prepareMerge finds the next run of exceptions to merge, dm's
+// persistent_prepare_merge: the last committed entry of the current area
+// and the entries before it whose origin and COW chunks are both
+// consecutive with it, working backwards. It returns the last entry and
+// the run's length (0 when no exception is left). When the current area
+// is empty it moves back to the previous one, reading it from the COW.
+//
+//	area entries   ... {40->70} {41->71} {42->72} {9->73}
+//	                                             ^ last: run of 1 (9 -> 73)
+//	after merging it: {40->70} {41->71} {42->72}  run of 3, ending 42 -> 72
+func (s *store) prepareMerge() (last exception, n int, err error) {
+	if s.committed == 0 {
+		if s.curArea == 0 {
+			return exception{}, 0, nil
+		}
+		s.curArea--
+		if err := s.readChunk(s.area, areaChunk(s.perArea, s.curArea)); err != nil {
+			return exception{}, 0, fmt.Errorf("read metadata area %d: %w", s.curArea, err)
+		}
+		s.committed = int(s.perArea)
+	}
+	last = getException(s.area, s.committed-1)
+	for n = 1; n < s.committed; n++ {
+		e := getException(s.area, s.committed-1-n)
+		if e.Old != last.Old-uint64(n) || e.New != last.New-uint64(n) {
+			break
+		}
+	}
+	return last, n, nil
+}
+
+// commitMerge clears the last n entries of the current area on disk,
+// dm's persistent_commit_merge: the chunks they name have been copied to
+// the origin and the origin synced, so a crash from here on does not
+// merge them again. It returns the next free chunk as dm then reports
+// it: just past the last remaining entry of the current area.
+func (s *store) commitMerge(n int) (nextFree uint64, err error) {
+	lo := s.committed - n
+	clear(s.area[lo*exceptionSize : s.committed*exceptionSize])
+	if err := s.flushArea(lo, s.committed); err != nil {
+		return 0, err
+	}
+	s.committed = lo
+	return areaChunk(s.perArea, s.curArea) + uint64(s.committed) + 1, nil
 }
 
 // invalidate marks the store invalid, on disk too for a persistent store
@@ -375,12 +450,13 @@ func (s *store) invalidate() error {
 	return s.cow.Sync()
 }
 
-// usage reports dm's status numbers, in sectors.
+// usage reports dm's status numbers, in sectors. Called under the owner's
+// mutex.
 func (s *store) usage() (allocated, total, metadata uint64) {
 	total = uint64(s.cowSize / 512)
 	allocated = s.nextFree * uint64(s.chunkSectors)
 	if s.typ != Transient {
-		metadata = (s.curArea + 1 + headerChunks) * uint64(s.chunkSectors)
+		metadata = (s.shownArea + 1 + headerChunks) * uint64(s.chunkSectors)
 	}
 	return allocated, total, metadata
 }

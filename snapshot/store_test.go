@@ -232,10 +232,19 @@ func TestOpenErrors(t *testing.T) {
 		}
 	})
 	t.Run("COW in use", func(t *testing.T) {
+		// The second snapshot on a COW is a handover destination; a third
+		// is refused, as dm refuses it.
 		origin, cow := newPair(t, 16<<10, 64<<10)
 		open(t, origin, cow, Options{Type: Persistent, ChunkSectors: 8})
-		if _, err := Open("snap2", origin, cow, Options{Type: Persistent, ChunkSectors: 8}); !errors.Is(err, ErrCOWInUse) {
+		open(t, origin, cow, Options{Type: Persistent, ChunkSectors: 8})
+		if _, err := Open("snap3", origin, cow, Options{Type: Persistent, ChunkSectors: 8}); !errors.Is(err, ErrCOWInUse) {
 			t.Fatalf("Open: %v, want ErrCOWInUse", err)
+		}
+	})
+	t.Run("merge of N", func(t *testing.T) {
+		origin, cow := newPair(t, 16<<10, 64<<10)
+		if _, err := Open("m", origin, cow, Options{Type: Transient, ChunkSectors: 8, Merge: true}); !errors.Is(err, ErrMergeStore) {
+			t.Fatalf("Open: %v, want ErrMergeStore", err)
 		}
 	})
 }

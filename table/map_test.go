@@ -324,7 +324,7 @@ func TestNew(t *testing.T) {
 }
 
 func TestTargets(t *testing.T) {
-	if got := strings.Join(Targets(), " "); got != "error linear snapshot snapshot-origin striped zero" {
+	if got := strings.Join(Targets(), " "); got != "error linear snapshot snapshot-merge snapshot-origin striped zero" {
 		t.Fatalf("Targets() = %q", got)
 	}
 }

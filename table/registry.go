@@ -37,6 +37,7 @@ var registry = map[string]Constructor{
 
 	"snapshot":        newSnapshot,
 	"snapshot-origin": newSnapshotOrigin,
+	"snapshot-merge":  newSnapshotMerge,
 }
 
 // Targets lists the registered target names, sorted.

@@ -22,10 +22,15 @@ var ErrSnapshot = errors.New("snapshot")
 // normally starts at 0 and covers the origin). An existing persistent COW
 // keeps its on-disk chunk size, which Args then prints, as dmsetup does.
 func newSnapshot(open Opener, length Sector, args []string) (Target, error) {
+	return openSnapshot("snapshot", open, length, args, snapshot.Options{})
+}
+
+// openSnapshot parses the arguments the snapshot and snapshot-merge targets
+// share and opens the snapshot device; opt carries what the target adds.
+func openSnapshot(typ string, open Opener, length Sector, args []string, opt snapshot.Options) (Target, error) {
 	if len(args) < 4 {
 		return nil, fmt.Errorf("%w: want <origin> <cow> <P|PO|N> <chunk> [<#features> <feature>...], got %d arguments", ErrArgCount, len(args))
 	}
-	var opt snapshot.Options
 	if len(args) > 4 {
 		n, err := parseUint32("#features", args[4])
 		if err != nil {
@@ -48,16 +53,16 @@ func newSnapshot(open Opener, length Sector, args []string) (Target, error) {
 			}
 		}
 	}
-	typ, err := snapshot.ParseType(args[2])
+	typ0, err := snapshot.ParseType(args[2])
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 	}
-	opt.Type = typ
+	opt.Type = typ0
 	chunk, err := parseUint32("chunk size", args[3])
 	if err != nil {
 		return nil, err
 	}
-	if chunk != 0 || typ == snapshot.Transient {
+	if chunk != 0 || opt.Type == snapshot.Transient {
 		if err := snapshot.CheckChunk(chunk); err != nil {
 			return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 		}
@@ -72,20 +77,23 @@ func newSnapshot(open Opener, length Sector, args []string) (Target, error) {
 	if err != nil {
 		return nil, err
 	}
-	s, err := snapshot.Open("snapshot "+originName+" "+cowName, origin, cow, opt)
+	s, err := snapshot.Open(typ+" "+originName+" "+cowName, origin, cow, opt)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 	}
-	return &snapshotTarget{s: s, origin: originName, cow: cowName, devs: Flatten(s.Devices())}, nil
+	return &snapshotTarget{typ: typ, s: s, origin: originName, cow: cowName, devs: Flatten(s.Devices())}, nil
 }
 
+// snapshotTarget is the snapshot and snapshot-merge targets: they differ
+// only in what the stacked device does.
 type snapshotTarget struct {
+	typ         string
 	s           *snapshot.Snapshot
 	origin, cow string
 	devs        []backing.Device
 }
 
-func (t *snapshotTarget) Type() string   { return "snapshot" }
+func (t *snapshotTarget) Type() string   { return t.typ }
 func (t *snapshotTarget) Status() string { return t.s.Status() }
 
 func (t *snapshotTarget) Args() []string {
@@ -103,6 +111,11 @@ func (t *snapshotTarget) Map(off, n int64, yield func(Extent) bool) bool {
 // devices expanded), so that a flush syncs them, deduplicated with the
 // rest of the export; Snapshot.Sync itself syncs the COW.
 func (t *snapshotTarget) Devices() []backing.Device { return t.devs }
+
+// Activate and Deactivate follow the table's resume and suspend: a
+// handover destination takes its store, a merge starts or stops.
+func (t *snapshotTarget) Activate()   { t.s.Activate() }
+func (t *snapshotTarget) Deactivate() { t.s.Deactivate() }
 
 // Close unregisters the snapshot from its origin and frees its COW device
 // for another table.

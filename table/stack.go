@@ -177,6 +177,34 @@ func (t *Table) Status() string {
 	return b.String()
 }
 
+// activator is implemented by targets that work while their table is
+// active, in the background or on other tables' behalf: a snapshot-merge
+// line's merge, a snapshot taking over another's store.
+type activator interface {
+	Activate()
+	Deactivate()
+}
+
+// Activate tells the targets that the table has become active (dm's
+// resume): a merge starts, a handover happens. Deactivate tells them it is
+// being suspended (dm's presuspend): a merge stops after its step in
+// progress.
+func (t *Table) Activate() {
+	for _, l := range t.Lines {
+		if a, ok := l.Target.(activator); ok {
+			a.Activate()
+		}
+	}
+}
+
+func (t *Table) Deactivate() {
+	for _, l := range t.Lines {
+		if a, ok := l.Target.(activator); ok {
+			a.Deactivate()
+		}
+	}
+}
+
 // Close releases what the table's targets hold beyond their devices
 // (a snapshot's registration with its origin and its claim on the COW
 // device). The devices themselves belong to the Opener.

@@ -12,7 +12,7 @@ import (
 )
 
 // guestTests are the names tests.sh reports, in order.
-var guestTests = []string{"fs", "dm_linear", "flush", "discard", "nbd_client", "nbd_client_tls", "snapshot", "lifecycle", "live_snapshot", "remote"}
+var guestTests = []string{"fs", "dm_linear", "flush", "discard", "nbd_client", "nbd_client_tls", "snapshot", "lifecycle", "live_snapshot", "remote", "snapshot_merge", "multi_snapshot"}
 
 // result is one VMTEST-RESULT line.
 type result struct{ status, detail string }
@@ -94,6 +94,13 @@ func TestGuest(t *testing.T) {
 		bnbd, bdisk := metrics["flush_baseline_nbd_flushes"], metrics["flush_baseline_disk_flushes"]
 		if bnbd < 1 || bdisk < bnbd*512 {
 			t.Errorf("per-segment baseline: %v disk flushes for %v NBD flushes, want ~1024 each", bdisk, bnbd)
+		}
+	})
+	t.Run("merge-figures", func(t *testing.T) {
+		// The status compared mid-merge was caught in the middle: less
+		// than at the start (6616 sectors) and more than when done (16).
+		if mid := metrics["snapshot_merge_nbdmapper_mid_sectors"]; mid <= 16 {
+			t.Errorf("nbdmapper's merge status compared at %v allocated sectors: not mid-merge", mid)
 		}
 	})
 	t.Run("discard-figures", func(t *testing.T) {

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nbdmapper/nbdmapper/control"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
@@ -143,6 +144,107 @@ func copyFile(t *testing.T, from, to string) {
 	}
 }
 
+// serialWriter writes 4 KiB blocks at random to an export, one request at
+// a time, so that at any instant at most one write is unacknowledged, and
+// it knows which.
+type serialWriter struct {
+	mu      sync.Mutex
+	acked   map[int64]ack // block -> the last acknowledged write
+	pending int64         // block of the write in flight, or -1
+	pendAck ack
+	n       int // writes acknowledged
+	stop    atomic.Bool
+	blocks  atomic.Int64 // writes go to blocks [0, blocks)
+	done    chan error
+}
+
+// ack is one write: its fill byte and its place in the sequence.
+type ack struct {
+	val byte
+	seq int
+}
+
+const writerBlock = 4096
+
+func startWriter(t *testing.T, socket, export string, blocks int64, seed uint64) *serialWriter {
+	w := &serialWriter{acked: map[int64]ack{}, pending: -1, done: make(chan error, 1)}
+	w.blocks.Store(blocks)
+	go func() {
+		c, err := nbdtest.DialNBD("unix", socket, export)
+		if err != nil {
+			w.done <- err
+			return
+		}
+		defer c.Close()
+		rng := rand.New(rand.NewPCG(seed, seed))
+		for i := 1; !w.stop.Load(); i++ {
+			blk, a := rng.Int64N(w.blocks.Load()), ack{val: byte(1 + i%250), seq: i}
+			w.mu.Lock()
+			w.pending, w.pendAck = blk, a
+			w.mu.Unlock()
+			c.Send(nbdtest.CmdWrite, 0, uint64(i), uint64(blk*writerBlock), writerBlock)
+			c.Write(bytes.Repeat([]byte{a.val}, writerBlock))
+			if r, err := c.Recv(); err != nil || r.Errno != 0 {
+				w.done <- fmt.Errorf("write %d: %+v %v", i, r, err)
+				return
+			}
+			w.mu.Lock()
+			w.acked[blk], w.pending = a, -1
+			w.n++
+			w.mu.Unlock()
+		}
+		w.done <- nil
+	}()
+	return w
+}
+
+// state copies what the writer has acknowledged and has in flight.
+func (w *serialWriter) state() (acked map[int64]ack, pending int64, pendAck ack) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return maps.Clone(w.acked), w.pending, w.pendAck
+}
+
+// waitMore waits for n more acknowledged writes.
+func (w *serialWriter) waitMore(t *testing.T, n int) {
+	w.mu.Lock()
+	target := w.n + n
+	w.mu.Unlock()
+	nbdtest.Until(t, "the writer to make progress", func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return w.n >= target
+	})
+}
+
+func (w *serialWriter) finish(t *testing.T) {
+	w.stop.Store(true)
+	if err := nbdtest.Recv(t, w.done, "the writer"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// readExport reads a whole export.
+func readExport(t *testing.T, socket, export string, size int) []byte {
+	t.Helper()
+	c, err := nbdtest.DialNBD("unix", socket, export)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := c.Send(nbdtest.CmdRead, 0, 1, 0, uint32(size)); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := c.Recv(); err != nil || r.Errno != 0 {
+		t.Fatalf("%s: read: %+v %v", export, r, err)
+	}
+	got := make([]byte, size)
+	if _, err := io.ReadFull(c, got); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
 // TestLiveSnapshot takes a snapshot of a device under write load the way
 // `lvcreate -s` does: create the origin's "-real" device on the same table,
 // suspend the origin, reload it as snapshot-origin of the real device,
@@ -151,112 +253,41 @@ func copyFile(t *testing.T, from, to string) {
 // flight then may be either way), and the origin everything acknowledged
 // to the end.
 func TestLiveSnapshot(t *testing.T) {
-	const size, block = 8 << 20, 4096
+	const size = 8 << 20
 	dir := t.TempDir()
-	sparse.Create(t, filepath.Join(dir, "disk.img"), size)
-	sparse.Create(t, filepath.Join(dir, "cow.img"), size)
-	writeFile(t, filepath.Join(dir, "lv.table"), fmt.Sprintf("0 %d linear disk.img 0\n", size/512))
-	writeFile(t, filepath.Join(dir, "origin.table"), fmt.Sprintf("0 %d snapshot-origin /dev/mapper/lv-real\n", size/512))
-	writeFile(t, filepath.Join(dir, "snap.table"), fmt.Sprintf("0 %d snapshot /dev/mapper/lv-real cow.img P 8\n", size/512))
-	ctl := filepath.Join(dir, "control")
-	s := nbdtest.Start(t, bin, dir, "--metrics", "off", "--control", ctl, "lv=lv.table")
-
-	// The writer: one request at a time, so that at any instant at most
-	// one write is unacknowledged, and it knows which.
-	type state struct {
-		acked   map[int64]byte // block -> fill byte of the last acknowledged write
-		pending int64          // block of the write in flight, or -1
-		pendVal byte
-	}
-	var mu sync.Mutex
-	st := state{acked: map[int64]byte{}, pending: -1}
-	var stop atomic.Bool
-	writerDone := make(chan error, 1)
-	go func() {
-		c, err := nbdtest.DialNBD("unix", s.Socket, "lv")
-		if err != nil {
-			writerDone <- err
-			return
-		}
-		defer c.Close()
-		rng := rand.New(rand.NewPCG(7, 7))
-		for i := 0; !stop.Load(); i++ {
-			blk, val := rng.Int64N(size/block), byte(1+i%250)
-			mu.Lock()
-			st.pending, st.pendVal = blk, val
-			mu.Unlock()
-			c.Send(nbdtest.CmdWrite, 0, uint64(i), uint64(blk*block), block)
-			c.Write(bytes.Repeat([]byte{val}, block))
-			if r, err := c.Recv(); err != nil || r.Errno != 0 {
-				writerDone <- fmt.Errorf("write %d: %+v %v", i, r, err)
-				return
-			}
-			mu.Lock()
-			st.acked[blk], st.pending = val, -1
-			mu.Unlock()
-		}
-		writerDone <- nil
-	}()
-	until := func(cond func() bool) {
-		deadline := time.Now().Add(60 * time.Second)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatal("the writer made no progress")
-			}
-			time.Sleep(time.Millisecond)
-		}
-	}
-	until(func() bool { mu.Lock(); defer mu.Unlock(); return len(st.acked) > 100 })
-
+	s, ctl := liveSnapshot(t, dir, size)
+	w := startWriter(t, s.Socket, "lv", size/writerBlock, 7)
+	w.waitMore(t, 100)
 	lifecycle(t, ctl, "create", "lv-real", filepath.Join(dir, "lv.table"))
 	lifecycle(t, ctl, "suspend", "lv")
-	mu.Lock()
-	atSuspend := state{acked: maps.Clone(st.acked), pending: st.pending, pendVal: st.pendVal}
-	mu.Unlock()
+	acked, pending, pendAck := w.state()
 	lifecycle(t, ctl, "reload", "lv", filepath.Join(dir, "origin.table"))
 	lifecycle(t, ctl, "create", "snap", filepath.Join(dir, "snap.table"))
 	lifecycle(t, ctl, "resume", "lv")
-	n := func() int { mu.Lock(); defer mu.Unlock(); return len(st.acked) }()
-	until(func() bool { mu.Lock(); defer mu.Unlock(); return len(st.acked) > n+100 })
-	stop.Store(true)
-	if err := <-writerDone; err != nil {
-		t.Fatal(err)
-	}
+	w.waitMore(t, 100)
+	w.finish(t)
 
-	check := func(export string, want state) {
+	check := func(export string, acked map[int64]ack, pending int64, pendAck ack) {
 		t.Helper()
-		c, err := nbdtest.DialNBD("unix", s.Socket, export)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		if err := c.Send(nbdtest.CmdRead, 0, 1, 0, size); err != nil {
-			t.Fatal(err)
-		}
-		if r, err := c.Recv(); err != nil || r.Errno != 0 {
-			t.Fatalf("%s: read: %+v %v", export, r, err)
-		}
-		got := make([]byte, size)
-		if _, err := io.ReadFull(c, got); err != nil {
-			t.Fatal(err)
-		}
-		for blk := int64(0); blk < size/block; blk++ {
-			b := got[blk*block : (blk+1)*block]
-			val, ok := want.acked[blk]
-			okVals := []byte{val}
+		got := readExport(t, s.Socket, export, size)
+		for blk := int64(0); blk < size/writerBlock; blk++ {
+			b := got[blk*writerBlock : (blk+1)*writerBlock]
+			a, ok := acked[blk]
+			okVals := []byte{a.val}
 			if !ok {
 				okVals = []byte{0}
 			}
-			if blk == want.pending {
-				okVals = append(okVals, want.pendVal)
+			if blk == pending {
+				okVals = append(okVals, pendAck.val)
 			}
-			if !bytes.Equal(b, bytes.Repeat(b[:1], block)) || !slices.Contains(okVals, b[0]) {
+			if !bytes.Equal(b, bytes.Repeat(b[:1], writerBlock)) || !slices.Contains(okVals, b[0]) {
 				t.Fatalf("%s: block %d holds %d..., want one of %v", export, blk, b[0], okVals)
 			}
 		}
 	}
-	check("snap", atSuspend)
-	check("lv", st)
+	check("snap", acked, pending, pendAck)
+	acked, pending, pendAck = w.state()
+	check("lv", acked, pending, pendAck)
 	if out := lifecycle(t, ctl, "ls"); !strings.Contains(out, "snap\t") || !strings.Contains(out, "lv-real\t") {
 		t.Fatalf("ls: %q", out)
 	}
@@ -267,4 +298,116 @@ func TestLiveSnapshot(t *testing.T) {
 	}
 	lifecycle(t, ctl, "remove", "snap")
 	s.Stop(t)
+}
+
+// liveSnapshot serves lv (a linear table over disk.img) in dir, with the
+// tables for lvcreate -s beside it: lv.table (also lv-real's),
+// origin.table, snap.table.
+func liveSnapshot(t *testing.T, dir string, size int64, flags ...string) (*nbdtest.Server, string) {
+	sparse.Create(t, filepath.Join(dir, "disk.img"), size)
+	sparse.Create(t, filepath.Join(dir, "cow.img"), size)
+	writeFile(t, filepath.Join(dir, "lv.table"), fmt.Sprintf("0 %d linear disk.img 0\n", size/512))
+	writeFile(t, filepath.Join(dir, "origin.table"), fmt.Sprintf("0 %d snapshot-origin /dev/mapper/lv-real\n", size/512))
+	writeFile(t, filepath.Join(dir, "snap.table"), fmt.Sprintf("0 %d snapshot /dev/mapper/lv-real cow.img P 8\n", size/512))
+	ctl := filepath.Join(dir, "control")
+	args := append([]string{"--metrics", "off", "--control", ctl}, flags...)
+	return nbdtest.Start(t, bin, dir, append(args, "lv=lv.table")...), ctl
+}
+
+// TestLVConvertMerge rolls a device back to its snapshot under write load,
+// following lvconvert --merge's sequence for an active origin:
+//
+//	nbdmapper reload lv merge.table    snapshot-merge /dev/mapper/lv-real cow.img P 8:
+//	                                   it names snap's COW, so it waits to take snap's store
+//	nbdmapper suspend snap             (dm insists the handover's source is suspended)
+//	nbdmapper suspend lv
+//	nbdmapper resume lv                the store is handed over, the merge starts
+//	nbdmapper remove snap
+//	... until `status` shows allocated == metadata sectors (the merge is done):
+//	nbdmapper reload lv lv.table       lv's table becomes lv-real's again
+//	nbdmapper resume lv
+//	nbdmapper remove lv-real
+//
+// The writer keeps writing lv throughout, from the merge on in its first
+// quarter only. In the end lv must hold the snapshot's bytes, except for
+// the blocks written after the suspend, which hold the last write.
+func TestLVConvertMerge(t *testing.T) {
+	const size = 8 << 20
+	dir := t.TempDir()
+	s, ctl := liveSnapshot(t, dir, size, "--merge-rate", "2M")
+	writeFile(t, filepath.Join(dir, "merge.table"), fmt.Sprintf("0 %d snapshot-merge /dev/mapper/lv-real cow.img P 8\n", size/512))
+	w := startWriter(t, s.Socket, "lv", size/writerBlock, 9)
+	w.waitMore(t, 100)
+	// lvcreate -s
+	lifecycle(t, ctl, "create", "lv-real", filepath.Join(dir, "lv.table"))
+	lifecycle(t, ctl, "suspend", "lv")
+	lifecycle(t, ctl, "reload", "lv", filepath.Join(dir, "origin.table"))
+	lifecycle(t, ctl, "create", "snap", filepath.Join(dir, "snap.table"))
+	lifecycle(t, ctl, "resume", "lv")
+	w.waitMore(t, 500) // the "failed upgrade": origin writes the merge must undo
+	snap := readExport(t, s.Socket, "snap", size)
+
+	// lvconvert --merge
+	lifecycle(t, ctl, "reload", "lv", filepath.Join(dir, "merge.table"))
+	lifecycle(t, ctl, "suspend", "snap")
+	lifecycle(t, ctl, "suspend", "lv")
+	w.blocks.Store(size / writerBlock / 4)
+	before, _, _ := w.state()
+	last := 0
+	for _, a := range before {
+		last = max(last, a.seq)
+	}
+	lifecycle(t, ctl, "resume", "lv")
+	mid := status(t, ctl, "lv")
+	lifecycle(t, ctl, "remove", "snap")
+	nbdtest.Until(t, "the merge to finish", func() bool { return mergeFinished(t, status(t, ctl, "lv")) })
+	w.waitMore(t, 50)
+	lifecycle(t, ctl, "suspend", "lv")
+	lifecycle(t, ctl, "reload", "lv", filepath.Join(dir, "lv.table"))
+	lifecycle(t, ctl, "resume", "lv")
+	lifecycle(t, ctl, "remove", "lv-real")
+	w.waitMore(t, 50)
+	w.finish(t)
+
+	acked, _, _ := w.state()
+	got := readExport(t, s.Socket, "lv", size)
+	written := 0
+	for blk := int64(0); blk < size/writerBlock; blk++ {
+		want := snap[blk*writerBlock : (blk+1)*writerBlock]
+		if a, ok := acked[blk]; ok && a.seq > last {
+			want = bytes.Repeat([]byte{a.val}, writerBlock)
+			written++
+		}
+		if b := got[blk*writerBlock : (blk+1)*writerBlock]; !bytes.Equal(b, want) {
+			t.Fatalf("block %d holds %d..., want %d...", blk, b[0], want[0])
+		}
+	}
+	if written == 0 || written > size/writerBlock/4+1 { // +1: the write in flight at the suspend
+		t.Fatalf("%d blocks written during the merge, want some of the first quarter", written)
+	}
+	if mergeFinished(t, mid) {
+		t.Fatalf("status just after the handover %q: the merge had nothing to do", mid)
+	}
+	t.Logf("status just after the handover: %q; %d blocks written since", mid, written)
+	s.Stop(t)
+}
+
+// status is a device's status lines through the control socket.
+func status(t *testing.T, ctl, name string) string {
+	t.Helper()
+	out, err := control.Call(ctl, control.Request{Op: "status", Name: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// mergeFinished reads a snapshot-merge status line: done when
+// sectors_allocated equals metadata_sectors.
+func mergeFinished(t *testing.T, status string) bool {
+	var start, length, alloc, total, meta int64
+	if _, err := fmt.Sscanf(status, "%d %d snapshot-merge %d/%d %d", &start, &length, &alloc, &total, &meta); err != nil {
+		t.Fatalf("status %q: %v", status, err)
+	}
+	return alloc == meta
 }

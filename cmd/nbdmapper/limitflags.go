@@ -65,6 +65,25 @@ func (b *byteSize) Set(s string) error {
 	return nil
 }
 
+// rate is a flag value in bytes per second, as byteSize, where 0 means
+// no limit.
+type rate int64
+
+func (r *rate) String() string { return fmt.Sprint(int64(*r)) }
+
+func (r *rate) Set(s string) error {
+	if s == "0" {
+		*r = 0
+		return nil
+	}
+	var b byteSize
+	if err := b.Set(s); err != nil {
+		return fmt.Errorf("want a rate such as 64M (bytes per second) or 0 for no limit, got %q", s)
+	}
+	*r = rate(b)
+	return nil
+}
+
 // descriptions are --description NAME=TEXT flags.
 type descriptions map[string]string
 

@@ -26,6 +26,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
+	"github.com/nbdmapper/nbdmapper/snapshot"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -34,7 +35,7 @@ const usage = `usage:
                   [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
-                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [--procs N|auto]
+                  [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [--procs N|auto] [--merge-rate BYTES]
                   [--remote-connections N] [--remote-timeout D] [--remote-backoff-max D] [--remote-queue-depth N]
                   [NAME=TABLE_FILE ...]
   nbdmapper create NAME TABLE_FILE | remove [--force] NAME   [--control PATH]
@@ -161,6 +162,8 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.control, "control", defaultControl, "the control socket for reload, suspend, resume, ... ('off' disables)")
 	var df discardFlags
 	df.register(fs)
+	mergeRate := rate(snapshot.DefaultMergeRate)
+	fs.Var(&mergeRate, "merge-rate", "the most bytes per second each snapshot-merge device copies back to its origin (with K, M, G suffix; 0: no limit)")
 	var lf limitFlags
 	lf.register(fs)
 	var procs procsFlag
@@ -203,6 +206,7 @@ func runServe(args []string) error {
 	flusher := flush.New()
 	discarder := discard.New()
 	flusher.OnPanic, discarder.OnPanic = srv.Panicked, srv.Panicked
+	snapshot.Configure(snapshot.Config{MergeRate: int64(mergeRate), OnPanic: srv.Panicked, Logger: log})
 	df.apply(discarder)
 	remotes := rf.scheme(log, srv.Panicked)
 	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track, Schemes: []backing.Scheme{remotes}}
@@ -378,4 +382,7 @@ func listen(sf serveFlags) ([]net.Listener, error) {
 func logStats(log *slog.Logger, f *flush.Engine, d *discard.Engine) {
 	logFlushStats(log, f)
 	logDiscardStats(log, d)
+	st := snapshot.ReadStats()
+	log.Info("snapshot stats", "commits", st.Commits, "exceptions", st.Exceptions, "max_batch", st.MaxBatch,
+		"merged_chunks", st.MergedChunks, "merges_done", st.MergesDone, "merge_failures", st.MergeFail, "handovers", st.Handovers)
 }

@@ -18,7 +18,8 @@ metric() { echo "VMTEST-METRIC $1=$2"; }
 cleanup() {
 	umount /tmp/mnt 2>/dev/null || true
 	dmsetup remove nbdmx 2>/dev/null || true
-	for d in korig ksnap vmbench snorigin sncow; do dmsetup remove "$d" 2>/dev/null; done
+	for d in korig ksnap kcheck kmerge ks1 ks2 vmbench snorigin sncow sncow2; do dmsetup remove "$d" 2>/dev/null; done
+	"$NBDMAPPER" detach /dev/nbd2 >/dev/null 2>&1
 	"$NBDMAPPER" detach /dev/nbd1 >/dev/null 2>&1
 	detach /dev/nbd0 >/dev/null 2>&1
 	unserve
@@ -551,7 +552,214 @@ test_remote() {
 	metric remote_linear_remote_flushes "$f"
 }
 
-all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot lifecycle live_snapshot remote)
+
+# Snapshot merge (issue 16), both ways, with dmsetup status and nbdmapper
+# status compared mid-merge. The stores get 512 chunks copied out in random
+# order (fio randwrite over 2 MiB of the origin), so each merge has as
+# many runs and takes long enough to be caught in the middle: nbdmapper's
+# by a slow --merge-rate, the kernel's by dm-snapshot's
+# snapshot_copy_throttle. Mid-merge, the merging side is suspended (its
+# merge stops after the step in progress) and the other side loads the
+# same COW as a plain snapshot: both must print the same status line and
+# read the same snapshot bytes. After the merge the origin holds the
+# snapshot's bytes.
+merge_rate=512K
+
+# nstatus NAME: nbdmapper status's line for device NAME, without the name.
+nstatus() { "$NBDMAPPER" status --metrics 127.0.0.1:9810 | sed -n "s/^$1: //p"; }
+
+# merge_state LINE: "mid", "done" or "start" for a snapshot(-merge) status
+# line "<start> <len> <target> <alloc>/<total> <meta>", against the
+# allocation $merge_start0 at the start.
+merge_state() {
+	local a m
+	a=$(echo "$1" | awk '{split($4, x, "/"); print x[1]}')
+	m=$(echo "$1" | awk '{print $5}')
+	if [ -z "$a" ] || [ -z "$m" ]; then echo "?"
+	elif [ "$a" = "$m" ]; then echo done
+	elif [ "$a" -lt "$merge_start0" ]; then echo mid
+	else echo start
+	fi
+}
+
+# scatter DEV: 512 4 KiB writes in random order over [8M, 10M) of DEV.
+scatter() {
+	fio --name=scatter --filename="$1" --rw=randwrite --bs=4k --offset=8M --size=2M \
+		--direct=1 --randrepeat=1 --output=/tmp/fio-scatter.log >/dev/null || {
+		cat /tmp/fio-scatter.log
+		return 1
+	}
+}
+
+test_snapshot_merge() {
+	ip link set lo up 2>/dev/null
+	head -c $((2 << 20)) /dev/urandom >/tmp/snappat
+	head -c $((snap_sectors * 512)) /dev/urandom >/tmp/snaporig
+	local o c ksum nsum line st i kline nline want
+	local throttle=/sys/module/dm_snapshot/parameters/snapshot_copy_throttle
+
+	# A: the kernel makes and writes the snapshot, nbdmapper merges it.
+	snap_pieces || return 1
+	dmcreate ksnap "0 $snap_sectors snapshot /dev/mapper/snorigin /dev/mapper/sncow P 8" || return 1
+	dmcreate korig "0 $snap_sectors snapshot-origin /dev/mapper/snorigin" || return 1
+	snap_writes /dev/mapper/ksnap /dev/mapper/korig || return 1
+	scatter /dev/mapper/korig || return 1
+	sync /dev/mapper/korig
+	ksum=$(sha256sum </dev/mapper/ksnap | cut -c1-64)
+	merge_start0=$(dmsetup status ksnap | awk '{split($4, x, "/"); print x[1]}')
+	echo "A kernel's snapshot: sha256 $ksum, $(dmsetup status ksnap)"
+	dmsetup remove korig && dmsetup remove ksnap || return 1
+	o=$(devnum snorigin) c=$(devnum sncow)
+	echo "0 $snap_sectors snapshot-merge $o $c P 8" >/tmp/merge.table
+	echo "0 $snap_sectors snapshot $o $c P 8" >/tmp/check.table
+	serve /tmp/merge.table --merge-rate "$merge_rate" --control /tmp/merge.ctl && attach /dev/nbd0 --block-size 512 || return 1
+	for ((i = 0; i < 600; i++)); do
+		line=$(nstatus d)
+		st=$(merge_state "$line")
+		[ "$st" = start ] || break
+		sleep 0.1
+	done
+	[ "$st" = mid ] || { say "nbdmapper's merge never seen in the middle: $line"; return 1; }
+	"$NBDMAPPER" suspend --control /tmp/merge.ctl d || return 1
+	nline=$(nstatus d)
+	echo 3 >/proc/sys/vm/drop_caches
+	dmcreate kcheck "0 $snap_sectors snapshot /dev/mapper/snorigin /dev/mapper/sncow P 8" || return 1
+	kline=$(dmsetup status kcheck)
+	nsum=$(sha256sum </dev/mapper/kcheck | cut -c1-64)
+	dmsetup remove kcheck
+	echo "A mid-merge: nbdmapper status '$nline', dmsetup status of the same COW '$kline'"
+	[ "$(echo "$nline" | cut -d' ' -f4-)" = "$(echo "$kline" | cut -d' ' -f4-)" ] || {
+		say "nbdmapper and the kernel disagree mid-merge: '$nline' vs '$kline'"
+		return 1
+	}
+	[ "$nsum" = "$ksum" ] || { say "mid-merge the kernel reads other bytes than the snapshot's"; return 1; }
+	"$NBDMAPPER" resume --control /tmp/merge.ctl d || return 1
+	for ((i = 0; i < 1200; i++)); do
+		line=$(nstatus d)
+		[ "$(merge_state "$line")" = done ] && break
+		sleep 0.1
+	done
+	[ "$(merge_state "$line")" = done ] || { say "nbdmapper's merge did not finish: $line"; return 1; }
+	echo 3 >/proc/sys/vm/drop_caches
+	nsum=$(sha256sum </dev/nbd0 | cut -c1-64)
+	detach
+	unserve
+	[ "$nsum" = "$ksum" ] || { say "the merged device reads other bytes than the snapshot's"; return 1; }
+	echo 3 >/proc/sys/vm/drop_caches
+	[ "$(sha256sum </dev/mapper/snorigin | cut -c1-64)" = "$ksum" ] || { say "after nbdmapper's merge the origin is not the snapshot"; return 1; }
+	echo "A merged by nbdmapper: $line; the origin holds the snapshot's bytes"
+	metric snapshot_merge_nbdmapper_mid_sectors "$(echo "$nline" | awk '{split($4, x, "/"); print x[1]}')"
+
+	# B: nbdmapper makes and writes the snapshot, the kernel merges it.
+	snap_pieces || return 1
+	echo 3 >/proc/sys/vm/drop_caches
+	echo "0 $snap_sectors snapshot $o $c P 8" >/tmp/snap-b.table
+	echo "0 $snap_sectors snapshot-origin $o" >/tmp/orig-b.table
+	serve_set snap=/tmp/snap-b.table orig=/tmp/orig-b.table || return 1
+	attach_export snap /dev/nbd0 --block-size 512 && attach_export orig /dev/nbd1 --block-size 512 || return 1
+	snap_writes /dev/nbd0 /dev/nbd1 || return 1
+	scatter /dev/nbd1 || return 1
+	sync /dev/nbd1
+	nsum=$(sha256sum </dev/nbd0 | cut -c1-64)
+	line=$(nstatus snap)
+	merge_start0=$(echo "$line" | awk '{split($4, x, "/"); print x[1]}')
+	echo "B nbdmapper's snapshot: sha256 $nsum, $line"
+	"$NBDMAPPER" detach /dev/nbd1
+	detach /dev/nbd0
+	unserve
+	echo 3 >/proc/sys/vm/drop_caches
+	local old=100
+	[ -w "$throttle" ] && old=$(cat "$throttle") && echo 1 >"$throttle"
+	dmcreate kmerge "0 $snap_sectors snapshot-merge /dev/mapper/snorigin /dev/mapper/sncow P 8" || return 1
+	for ((i = 0; i < 3000; i++)); do
+		line=$(dmsetup status kmerge)
+		st=$(merge_state "$line")
+		[ "$st" = start ] || break
+		sleep 0.02
+	done
+	[ "$st" = mid ] || { [ -w "$throttle" ] && echo "$old" >"$throttle"; say "the kernel's merge never seen in the middle: $line"; return 1; }
+	dmsetup suspend kmerge
+	kline=$(dmsetup status kmerge)
+	echo 3 >/proc/sys/vm/drop_caches
+	serve /tmp/check.table --read-only || return 1
+	attach /dev/nbd0 --block-size 512 || return 1
+	nline=$(nstatus d)
+	want=$(sha256sum </dev/nbd0 | cut -c1-64)
+	detach
+	unserve
+	echo "B mid-merge: dmsetup status '$kline', nbdmapper status of the same COW '$nline'"
+	[ -w "$throttle" ] && echo "$old" >"$throttle"
+	dmsetup resume kmerge
+	[ "$(echo "$nline" | cut -d' ' -f4-)" = "$(echo "$kline" | cut -d' ' -f4-)" ] || {
+		say "the kernel and nbdmapper disagree mid-merge: '$kline' vs '$nline'"
+		return 1
+	}
+	[ "$want" = "$nsum" ] || { say "mid-merge nbdmapper reads other bytes than the snapshot's"; return 1; }
+	for ((i = 0; i < 1200; i++)); do
+		line=$(dmsetup status kmerge)
+		[ "$(merge_state "$line")" = done ] && break
+		sleep 0.1
+	done
+	[ "$(merge_state "$line")" = done ] || { say "the kernel's merge did not finish: $line"; return 1; }
+	dmsetup remove kmerge
+	echo 3 >/proc/sys/vm/drop_caches
+	[ "$(sha256sum </dev/mapper/snorigin | cut -c1-64)" = "$nsum" ] || { say "after the kernel's merge the origin is not nbdmapper's snapshot"; return 1; }
+	echo "B merged by the kernel: $line; the origin holds the snapshot's bytes"
+}
+
+# Several snapshots of one origin, each with its own COW and chunk size:
+# nbdmapper serves the origin and two snapshots; writes through the origin
+# (copied out to whichever snapshot lacks the chunk) and through each
+# snapshot; then the kernel loads each COW as a snapshot of the origin and
+# must read the same bytes with the same status as nbdmapper.
+test_multi_snapshot() {
+	ip link set lo up 2>/dev/null
+	head -c $((2 << 20)) /dev/urandom >/tmp/snappat
+	head -c $((snap_sectors * 512)) /dev/urandom >/tmp/snaporig
+	local o c1 c2 s1 s2 n1 n2 k1 k2
+	snap_pieces || return 1
+	dmsetup remove sncow2 2>/dev/null
+	dmcreate sncow2 "0 $((snap_sectors / 2)) linear $disk $((snap_sectors * 3 / 2))" || return 1
+	dd if=/dev/zero of=/dev/mapper/sncow2 bs=1M count=1 oflag=direct status=none || return 1
+	o=$(devnum snorigin) c1=$(devnum sncow) c2=$(devnum sncow2)
+	echo "0 $snap_sectors snapshot $o $c1 P 8" >/tmp/s1.table
+	echo "0 $snap_sectors snapshot $o $c2 P 32" >/tmp/s2.table
+	echo "0 $snap_sectors snapshot-origin $o" >/tmp/o.table
+	serve_set s1=/tmp/s1.table orig=/tmp/o.table || return 1
+	attach_export orig /dev/nbd1 --block-size 512 || return 1
+	# s1 sees the origin as it was, s2 (loaded later) after this write
+	tail -c $((1 << 20)) /tmp/snappat | dd of=/dev/nbd1 bs=4k seek=300 oflag=direct status=none || return 1
+	"$NBDMAPPER" detach /dev/nbd1
+	unserve
+	serve_set s1=/tmp/s1.table s2=/tmp/s2.table orig=/tmp/o.table || return 1
+	attach_export s1 /dev/nbd0 --block-size 512 && attach_export orig /dev/nbd1 --block-size 512 &&
+		attach_export s2 /dev/nbd2 --block-size 512 || return 1
+	snap_writes /dev/nbd0 /dev/nbd1 || return 1
+	scatter /dev/nbd1 || return 1
+	head -c 8192 /tmp/snappat | dd of=/dev/nbd2 bs=512 seek=20001 oflag=direct status=none || return 1
+	sync /dev/nbd1 /dev/nbd2
+	echo 3 >/proc/sys/vm/drop_caches
+	n1="$(sha256sum </dev/nbd0 | cut -c1-64) $(nstatus s1 | cut -d' ' -f4-)"
+	n2="$(sha256sum </dev/nbd2 | cut -c1-64) $(nstatus s2 | cut -d' ' -f4-)"
+	"$NBDMAPPER" detach /dev/nbd2
+	"$NBDMAPPER" detach /dev/nbd1
+	detach /dev/nbd0
+	unserve
+	echo 3 >/proc/sys/vm/drop_caches
+	dmcreate ks1 "0 $snap_sectors snapshot /dev/mapper/snorigin /dev/mapper/sncow P 8" &&
+		dmcreate ks2 "0 $snap_sectors snapshot /dev/mapper/snorigin /dev/mapper/sncow2 P 32" || return 1
+	k1="$(sha256sum </dev/mapper/ks1 | cut -c1-64) $(dmsetup status ks1 | cut -d' ' -f4-)"
+	k2="$(sha256sum </dev/mapper/ks2 | cut -c1-64) $(dmsetup status ks2 | cut -d' ' -f4-)"
+	dmsetup remove ks1
+	dmsetup remove ks2
+	dmsetup remove sncow2
+	echo "snapshot 1: nbdmapper $n1, kernel $k1"
+	echo "snapshot 2: nbdmapper $n2, kernel $k2"
+	[ "$n1" = "$k1" ] && [ "$n2" = "$k2" ] || { say "the kernel reads the snapshots differently"; return 1; }
+	[ "${n1%% *}" != "${n2%% *}" ] || { say "the two snapshots are the same: the test proves nothing"; return 1; }
+}
+
+all=(fs dm_linear flush discard nbd_client nbd_client_tls snapshot lifecycle live_snapshot remote snapshot_merge multi_snapshot)
 [ $# -gt 0 ] && all=("$@")
 if [ ! -x "$NBDMAPPER" ]; then
 	for t in "${all[@]}"; do result "$t" FAIL "no nbdmapper binary (did go build fail?)"; done
