@@ -36,7 +36,8 @@
 # PEERS="..." picks the peers (default: nbdmapper nbdkit qemu-nbd); the
 # peer nbdmapper-nomap is the same binary with --hole-map=false, which reads
 # holes as data, as before sparse reads (a baseline for them in the same
-# run). ROWS="0 1" runs only those workloads (indices in the list below).
+# run), and nbdmapper-pN the same binary with --procs=N instead of the
+# default auto. ROWS="0 1" runs only those workloads (indices in the list below).
 # Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,17 +73,21 @@ profile_flag() {
 	return 0
 }
 
-# map_flag PEER: nbdmapper's --hole-map for PEER.
-map_flag() {
-	if [ "$1" = nbdmapper-nomap ]; then echo --hole-map=false; else echo --hole-map=true; fi
+# variant_flag PEER: the flag that makes an nbdmapper-* variant PEER.
+variant_flag() {
+	case $1 in
+	nbdmapper-nomap) echo --hole-map=false ;;
+	nbdmapper-p[0-9]*) echo "--procs=${1#nbdmapper-p}" ;;
+	*) echo --hole-map=true ;;
+	esac
 }
 
 start_peer() { # name socket disk profile-flag
 	local name=$1 sock=$2 disk=$3
 	case $name in
-	nbdmapper | nbdmapper-nomap)
+	nbdmapper | nbdmapper-*)
 		echo "0 $sectors linear $disk 0" >"$work/bench.table"
-		"$work/nbdmapper" serve --metrics off --control off --socket "$sock" "$(map_flag "$name")" $4 "bench=$work/bench.table" 2>"$out/$name.log" &
+		"$work/nbdmapper" serve --metrics off --control off --socket "$sock" "$(variant_flag "$name")" $4 "bench=$work/bench.table" 2>"$out/$name.log" &
 		;;
 	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
@@ -118,9 +123,9 @@ make_pki() {
 start_tls_peer() {
 	local name=$1 port=$2 disk=$3 p=$work/pki
 	case $name in
-	nbdmapper | nbdmapper-nomap)
+	nbdmapper | nbdmapper-*)
 		echo "0 $sectors linear $disk 0" >"$work/bench.table"
-		"$work/nbdmapper" serve --metrics off --control off --listen "127.0.0.1:$port" "$(map_flag "$name")" --tls require \
+		"$work/nbdmapper" serve --metrics off --control off --listen "127.0.0.1:$port" "$(variant_flag "$name")" --tls require \
 			--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" $4 \
 			"bench=$work/bench.table" 2>"$out/$name-tls.log" &
 		;;
