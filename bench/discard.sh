@@ -22,7 +22,12 @@
 # time is best measured without it). Before each run the files are fully allocated again
 # (fallocate), so every discard really frees blocks.
 #
-#   [STRACE=0] bench/discard.sh [IODEPTH [REPS]]     defaults: 32, 3
+#   [STRACE=0] [DELAY=1ms] bench/discard.sh [IODEPTH [REPS]]     defaults: 32, 3
+#
+# DELAY=D puts each file behind an nbdkit (file plugin, delay filter) whose
+# trims take D, on a unix socket, and the table's lines name those exports:
+# a device whose discards are slow, as an SSD's are, instead of ext4's
+# cheap hole punching. The calls to files are then NBD TRIMs to nbdkit.
 #
 # Each case runs REPS times, interleaved; the table shows medians.
 # Prints a markdown table and leaves it with fio's JSON and the server logs
@@ -42,11 +47,29 @@ segs=1024 seglen=2048 # sectors: 1 MiB segments, a 1 GiB device
 a=$work/a.img
 b=$work/b.img
 size=$((segs * seglen * 512))
+devs=("$a" "$b")
+if [ -n "${DELAY:-}" ]; then
+	command -v nbdkit >/dev/null || { echo "bench/discard.sh: DELAY needs nbdkit" >&2; exit 1; }
+	devs=("nbd+unix:///?socket=$work/a.sock" "nbd+unix:///?socket=$work/b.sock")
+fi
 for ((i = 0; i < segs; i++)); do
-	f=$a
-	((i % 2)) && f=$b
-	echo "$((i * seglen)) $seglen linear $f $((i / 2 * seglen))"
+	echo "$((i * seglen)) $seglen linear ${devs[i % 2]} $((i / 2 * seglen))"
 done >"$work/interleaved.table"
+
+# slow_files: with DELAY, serves a.img and b.img through nbdkit with trims
+# taking DELAY, on a.sock and b.sock; sets slow_pids.
+slow_pids=()
+slow_files() {
+	local f
+	slow_pids=()
+	[ -n "${DELAY:-}" ] || return 0
+	for f in a b; do
+		rm -f "$work/$f.sock"
+		nbdkit --foreground --unix "$work/$f.sock" --filter=delay file "$work/$f.img" "delay-trim=$DELAY" 2>>"$out/nbdkit.log" &
+		slow_pids+=($!)
+		wait_socket "$work/$f.sock" "$!" "$out/nbdkit.log"
+	done
+}
 
 # name | client command (SOCK and OUT are replaced)
 workloads=(
@@ -74,6 +97,7 @@ for ((r = 0; r < reps; r++)); do
 			fallocate -l $((size / 2)) "$a"
 			fallocate -l $((size / 2)) "$b"
 			sync
+			slow_files
 			trace=()
 			[ -n "$strace" ] && trace=("$strace" -f -qq --seccomp-bpf -c -e trace=fallocate -o "$out/$id.strace")
 			"${trace[@]}" "$work/nbdmapper" serve --metrics off --control off --socket "$sock" $sflags "bench=$work/interleaved.table" 2>"$out/$id.log" &
@@ -89,6 +113,10 @@ for ((r = 0; r < reps; r++)); do
 			[ -n "$strace" ] && srv=$(pgrep -P "$pid" -x nbdmapper || echo "$pid")
 			kill -INT "$srv"
 			wait "$pid" || true
+			if ((${#slow_pids[@]})); then
+				kill "${slow_pids[@]}"
+				wait "${slow_pids[@]}" || true
+			fi
 			allocated=$(( $(stat -c %b "$a") + $(stat -c %b "$b") ))
 			printf '%s|%s|%s|%s|%s\n' "$id" "$wname" "$sname" "$(awk "BEGIN {print $end - $start}")" "$allocated" >>"$out/runs"
 		done
@@ -98,7 +126,7 @@ done
 {
 	echo "machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), kernel $(uname -r)," \
 		"filesystem $(df -T "$work" | awk 'NR==2 {print $2}'), $(fio --version), iodepth $iodepth, medians of $reps runs;" \
-		"1024 x 1 MiB segments alternating over two 512 MiB files, fully allocated before each run"
+		"1024 x 1 MiB segments alternating over two 512 MiB files, fully allocated before each run${DELAY:+, each behind nbdkit with trims taking $DELAY}"
 	echo
 } >"$out/machine"
 python3 - "$out" <<'PY' | tee "$out/table.md"

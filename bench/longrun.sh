@@ -53,12 +53,17 @@ python3 - "$out" "$interval" <<'PY' | tee "$out/table.md"
 import glob, json, statistics, sys
 out, interval = sys.argv[1], int(sys.argv[2])
 # fio writes one IOPS log per job and direction: time (ms), IOPS, dir, ...
-per = {}
+per, logs = {}, {}
 for f in glob.glob(f"{out}/iops_iops.*.log"):
     for line in open(f):
         t, v = line.split(",")[:2]
         k = round(int(t) / 1000 / interval)
         per[k] = per.get(k, 0) + int(v)
+        logs[k] = logs.get(k, 0) + 1
+# An interval that not every job's log reached (the last one, cut short
+# when the jobs stop one by one) is not a whole interval.
+full = max(logs.values(), default=0)
+per = {k: v for k, v in per.items() if logs[k] == full}
 rss = [int(x) for x in open(f"{out}/rss").read().split()]
 text = open(f"{out}/fio.json").read()
 job = json.loads(text[text.index("{"):])["jobs"][0]

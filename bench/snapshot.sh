@@ -38,6 +38,7 @@
 #
 #   bench/snapshot.sh [RUNTIME_S] [REPS] [GUEST_RUNTIME_S] [GUEST_REPS]   defaults: 10 s, 3, 20 s, 3
 #
+# HOST=0 skips the rows above and runs only the guest's.
 # NBDMAPPER_BIN picks the binary (default: built from this checkout);
 # BASELINE_BIN adds each first-write row run with another binary, in the
 # same rounds (see run_case).
@@ -120,6 +121,7 @@ if [ -n "${BASELINE_BIN:-}" ]; then
 	cp "$BASELINE_BIN" "$work/baseline"
 fi
 : >"$out/runs"
+[ "${HOST:-1}" != 0 ] || reps=0 # HOST=0: the guest rows only
 for ((rep = 1; rep <= reps; rep++)); do
 	for i in "${!cases[@]}"; do
 		IFS='|' read -r name export chunk size prefill jobs depth fsync ref <<<"${cases[$i]}"
@@ -135,7 +137,7 @@ done
 		"filesystem $(df -T "$work" | awk 'NR==2 {print $2}'), $(fio --version), ${reps} x ${runtime}s per row"
 	echo
 } >"$out/machine"
-python3 - "$out" <<'PY' | tee "$out/table.md"
+[ ! -s "$out/runs" ] || python3 - "$out" <<'PY' | tee "$out/table.md"
 import json, statistics, sys
 out = sys.argv[1]
 print(open(f"{out}/machine").read(), end="")

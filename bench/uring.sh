@@ -4,11 +4,14 @@
 # system: 4k random reads and writes of a cached 1 GiB file, each way a
 # server could issue them:
 #
+#   psync, 1 job         pread/pwrite, one request at a time
+#   io_uring, iodepth 1  the same through the ring: one submission and one
+#                        completion per request (the cost of a call each way)
 #   psync, 32 jobs       pread/pwrite from 32 threads, one request each:
 #                        what nbdmapper does (a goroutine per request in
 #                        flight, each blocking in its own system call)
-#   io_uring, iodepth 32 one thread, 32 requests in the ring, submitted and
-#                        reaped in batches
+#   io_uring, iodepth 32 one thread, 32 requests in the ring; and with
+#                        submissions in batches of 8
 #
 # Reports IOPS and CPU µs per request (the user + system time of fio and
 # its job processes over the requests, so setup is included), medians of ROUNDS interleaved runs. The CPU per request is
@@ -28,6 +31,7 @@ bench_machine | tee "$out/machine.md"
 disk=$work/disk.img
 dd if=/dev/urandom of="$disk" bs=1M count=1024 status=none
 cat "$disk" >/dev/null # in the page cache, as a served file's hot set is
+# (and fio is told not to drop it: --invalidate=0)
 
 # cpu_of CMD...: runs CMD, then prints the user + system seconds it and
 # every process it started used (getrusage of the children) to stderr.
@@ -39,15 +43,18 @@ print(r.ru_utime + r.ru_stime, file=sys.stderr)' "$@"
 }
 
 cases=(
+	"psync-1job|--ioengine=psync --numjobs=1"
+	"io_uring-qd1|--ioengine=io_uring --iodepth=1"
 	"psync-32jobs|--ioengine=psync --numjobs=32"
-	"io_uring-qd32|--ioengine=io_uring --iodepth=32 --iodepth_batch_submit=8 --iodepth_batch_complete_min=1"
+	"io_uring-qd32|--ioengine=io_uring --iodepth=32"
+	"io_uring-qd32-batch8|--ioengine=io_uring --iodepth=32 --iodepth_batch_submit=8 --iodepth_batch_complete_min=1"
 )
 for round in $(seq "$rounds"); do
 	for rw in randread randwrite; do
 		for c in "${cases[@]}"; do
 			base=$out/${c%%|*}-$rw-$round
 			# shellcheck disable=SC2086
-			cpu_of fio --name=u --filename="$disk" --rw=$rw --bs=4k --size=1G ${c#*|} \
+			cpu_of fio --name=u --filename="$disk" --rw=$rw --bs=4k --size=1G --invalidate=0 ${c#*|} \
 				--time_based --runtime="$runtime" --group_reporting --output-format=json \
 				>"$base.json" 2>"$base.cpu"
 		done

@@ -141,6 +141,12 @@ func (e *Engine) Discard(exts []Extent) error {
 	}
 
 	e.mu.Lock()
+	if e.batch == nil && e.flying == 0 && e.Window <= 0 {
+		// Nothing gathering, nothing in flight: a batch of this trim
+		// alone would be issued at once. Issue it without one; the trims
+		// that arrive meanwhile gather behind it.
+		return e.now(exts)
+	}
 	b := e.batch
 	lead := b == nil
 	if lead {
@@ -203,6 +209,12 @@ func (e *Engine) DiscardNow(exts []Extent) error {
 		return e.discardEach(exts)
 	}
 	e.mu.Lock()
+	return e.now(exts)
+}
+
+// now issues exts, sorted and merged, at once. e.mu must be held; now
+// unlocks it.
+func (e *Engine) now(exts []Extent) error {
 	devs := group(exts)
 	sts := make([]*device, len(devs))
 	for i, p := range devs {
@@ -251,19 +263,19 @@ func (e *Engine) seal(b *batch) {
 // batch leaves no moment in which a Claim could miss them.
 func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 	type job struct {
-		fl  *inflight
+		fl  inflight
 		err error
 	}
-	jobs := make(map[*device]*job, len(sts))
+	jobs := make([]job, len(sts))
 	for i, st := range sts {
 		dp := p.Devices[i]
 		st.stats.mergedAway.Add(uint64(dp.MergedAway()))
-		j := &job{fl: &inflight{calls: dp.Calls, done: make(chan struct{})}}
-		jobs[st] = j
+		j := &jobs[i]
+		j.fl = inflight{calls: dp.Calls, done: make(chan struct{})}
 		if len(dp.Calls) > 0 {
 			j.fl.seq = e.plans
 			e.plans++
-			st.inflight = append(st.inflight, j.fl)
+			st.inflight = append(st.inflight, &j.fl)
 			e.flying++
 		}
 	}
@@ -271,7 +283,7 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 	e.mu.Unlock()
 
 	for i, st := range sts {
-		j := jobs[st]
+		j := &jobs[i]
 		run := func() {
 			j.err = p.Devices[i].err
 			if j.err == nil {
@@ -279,7 +291,7 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 			}
 			e.mu.Lock()
 			if len(p.Devices[i].Calls) > 0 {
-				st.inflight = removeInflight(st.inflight, j.fl)
+				st.inflight = removeInflight(st.inflight, &j.fl)
 				e.flying--
 				e.landed(j.fl.seq)
 			}
@@ -294,12 +306,12 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 		}
 	}
 	return func(st *device) error {
-		j := jobs[st]
-		if j == nil {
+		i := slices.Index(sts, st)
+		if i < 0 {
 			return nil
 		}
-		<-j.fl.done
-		return j.err
+		<-jobs[i].fl.done
+		return jobs[i].err
 	}
 }
 

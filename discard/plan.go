@@ -52,11 +52,12 @@ type DevicePlan struct {
 	Merged  []backing.Range // In sorted, merged, minus Claimed
 	Calls   []backing.Range // what reaches the device, ascending (see plan)
 
-	err error // the device's Limits panicked (see plan)
+	err     error // the device's Limits panicked (see plan)
+	mergedN int   // len(Merge(In))
 }
 
 // MergedAway is how many received ranges disappeared into a neighbour.
-func (d DevicePlan) MergedAway() int { return max(len(d.In)-len(Merge(d.In)), 0) }
+func (d DevicePlan) MergedAway() int { return max(len(d.In)-d.mergedN, 0) }
 
 // PlanDiscard plans a discard of exts: per device, sorted, merged, cut
 // inward to the device's granularity and split at its maximum size.
@@ -74,16 +75,34 @@ type pending struct {
 
 func group(exts []Extent) []*pending {
 	var out []*pending
-	byDev := make(map[backing.Device]*pending)
+	var byDev map[backing.Device]*pending // once out is too long to search
+	find := func(d backing.Device) *pending {
+		if byDev != nil {
+			return byDev[d]
+		}
+		for _, p := range out {
+			if p.dev == d {
+				return p
+			}
+		}
+		return nil
+	}
 	for _, x := range exts {
 		if x.Len <= 0 {
 			continue
 		}
-		p := byDev[x.Dev]
+		p := find(x.Dev)
 		if p == nil {
 			p = &pending{dev: x.Dev}
-			byDev[x.Dev] = p
 			out = append(out, p)
+			if byDev == nil && len(out) > 8 {
+				byDev = make(map[backing.Device]*pending, 2*len(out))
+				for _, q := range out {
+					byDev[q.dev] = q
+				}
+			} else if byDev != nil {
+				byDev[x.Dev] = p
+			}
 		}
 		p.in = append(p.in, backing.Range{Off: x.Off, Len: x.Len})
 	}
@@ -96,7 +115,7 @@ func group(exts []Extent) []*pending {
 // panics gets no calls but the panic's error in err, for the trims that
 // wait for it: the engine plans on the batch timer's goroutine too.
 func plan(op Op, devs []*pending, issuer *Engine) Plan {
-	p := Plan{Op: op}
+	p := Plan{Op: op, Devices: make([]DevicePlan, 0, len(devs))}
 	for _, d := range devs {
 		dp := DevicePlan{
 			Dev:     d.dev,
@@ -111,7 +130,9 @@ func plan(op Op, devs []*pending, issuer *Engine) Plan {
 				return nil
 			})
 		}
-		dp.Merged = Subtract(Merge(d.in), dp.Claimed)
+		merged := Merge(d.in)
+		dp.mergedN = len(merged)
+		dp.Merged = Subtract(merged, dp.Claimed)
 		switch {
 		case dp.err != nil:
 		case op == OpDiscard && issuer != nil:

@@ -201,23 +201,47 @@ func (m *Device) writeAt(t *table.Table, p []byte, off int64, fua bool) error {
 			return err
 		}
 	}
-	var err error
-	var touched []backing.Device
-	t.Map(off, int64(len(p)), func(e table.Extent) bool {
-		switch e.Kind {
-		case table.KindMapped:
-			m.discard.Claim(e.Dev, e.Off, e.Len)
-			_, err = e.Dev.WriteAt(p[e.VOff-off:e.VOff-off+e.Len], e.Off)
-			touched = appendUnique(touched, e.Dev)
-		case table.KindError:
-			err = table.ErrTarget
-		}
-		return err == nil
-	})
+	w := writerPool.Get().(*extentWriter)
+	w.m, w.p, w.off, w.err = m, p, off, nil
+	t.Map(off, int64(len(p)), w.yield)
+	err := w.err
 	if err == nil && fua {
-		err = m.flush.Flush(touched)
+		err = m.flush.Flush(w.touched)
 	}
+	clear(w.touched)
+	*w = extentWriter{touched: w.touched[:0], yield: w.yield}
+	writerPool.Put(w)
 	return err
+}
+
+// extentWriter is one write's state as the table maps it, pooled (with its
+// method value bound once, as extentReader's) so that a write allocates
+// nothing of its own.
+type extentWriter struct {
+	m       *Device
+	p       []byte
+	off     int64
+	err     error
+	touched []backing.Device
+	yield   func(table.Extent) bool // w.write
+}
+
+var writerPool = sync.Pool{New: func() any {
+	w := new(extentWriter)
+	w.yield = w.write
+	return w
+}}
+
+func (w *extentWriter) write(e table.Extent) bool {
+	switch e.Kind {
+	case table.KindMapped:
+		w.m.discard.Claim(e.Dev, e.Off, e.Len)
+		_, w.err = e.Dev.WriteAt(w.p[e.VOff-w.off:e.VOff-w.off+e.Len], e.Off)
+		w.touched = appendUnique(w.touched, e.Dev)
+	case table.KindError:
+		w.err = table.ErrTarget
+	}
+	return w.err == nil
 }
 
 // writeFUA makes a FUA write that lands on a single mapped extent durable
@@ -338,11 +362,15 @@ func (m *Device) Cache(off, n int64) error {
 // read ahead natively.
 const CacheBuffer = 128 << 10
 
-// Pools for walks' pieces and Cache's read-through buffer: steady trims
-// and caches allocate nothing.
+// Pools for walks and Cache's read-through buffer: steady trims and
+// caches allocate nothing.
 var (
-	piecePool = sync.Pool{New: func() any { s := make([]discard.Extent, 0, WalkExtents); return &s }}
-	bufPool   = sync.Pool{New: func() any { b := make([]byte, CacheBuffer); return &b }}
+	walkerPool = sync.Pool{New: func() any {
+		w := &walker{exts: make([]discard.Extent, 0, WalkExtents)}
+		w.yieldFn = w.yield // bound once: a method value escapes into the table
+		return w
+	}}
+	bufPool = sync.Pool{New: func() any { b := make([]byte, CacheBuffer); return &b }}
 )
 
 // walk covers [off, off+n) of t with device extents (Table.Cover: any
@@ -351,27 +379,38 @@ var (
 // WalkExtents; more says that another piece may follow. Pieces before an
 // error target have been handed over when walk fails on it.
 func walk(t *table.Table, off, n int64, fn func(exts []discard.Extent, more bool) error) error {
-	sp := piecePool.Get().(*[]discard.Extent)
-	defer piecePool.Put(sp)
-	exts := (*sp)[:0]
-	var err error
-	t.Cover(off, n, func(e table.Extent) bool {
-		switch e.Kind {
-		case table.KindMapped:
-			exts = append(exts, discard.Extent{Dev: e.Dev, Off: e.Off, Len: e.Len})
-			if len(exts) == WalkExtents {
-				err = fn(exts, true)
-				exts = exts[:0]
-			}
-		case table.KindError:
-			err = table.ErrTarget
-		}
-		return err == nil
-	})
-	if err == nil && len(exts) > 0 {
-		err = fn(exts, false)
+	w := walkerPool.Get().(*walker)
+	w.exts, w.fn, w.err = w.exts[:0], fn, nil
+	t.Cover(off, n, w.yieldFn)
+	err := w.err
+	if err == nil && len(w.exts) > 0 {
+		err = fn(w.exts, false)
 	}
+	w.fn = nil
+	walkerPool.Put(w)
 	return err
+}
+
+// walker is one walk's state.
+type walker struct {
+	exts    []discard.Extent
+	fn      func(exts []discard.Extent, more bool) error
+	err     error
+	yieldFn func(table.Extent) bool // w.yield
+}
+
+func (w *walker) yield(e table.Extent) bool {
+	switch e.Kind {
+	case table.KindMapped:
+		w.exts = append(w.exts, discard.Extent{Dev: e.Dev, Off: e.Off, Len: e.Len})
+		if len(w.exts) == WalkExtents {
+			w.err = w.fn(w.exts, true)
+			w.exts = w.exts[:0]
+		}
+	case table.KindError:
+		w.err = table.ErrTarget
+	}
+	return w.err == nil
 }
 
 // Status flags of a block status extent (NBD base:allocation).

@@ -185,22 +185,40 @@ func (t *Table) walk(off, n int64, yield func(Extent) bool, mapLine func(Target,
 			lo = m + 1
 		}
 	}
-	// One closure per call, not per line: base moves as the loop does.
-	var base int64
-	rebase := func(e Extent) bool {
-		e.VOff += base
-		return yield(e)
-	}
+	// A target's extents are relative to its line. The first line starts
+	// at 0 and needs no rebasing; the others share one rebaser per call,
+	// made when first needed (it escapes into the target: two allocations).
+	var rb *rebaser
+	var rebase func(Extent) bool
 	for i := lo; i < len(t.Lines) && off < end; i++ {
 		l := &t.Lines[i]
-		base = l.Start.Bytes()
+		base := l.Start.Bytes()
 		k := min(end, (l.Start+l.Length).Bytes()) - off
-		if !mapLine(l.Target, off-base, k, rebase) {
+		y := yield
+		if base != 0 {
+			if rb == nil {
+				rb = &rebaser{yield: yield}
+				rebase = rb.rebase
+			}
+			rb.base, y = base, rebase
+		}
+		if !mapLine(l.Target, off-base, k, y) {
 			return false
 		}
 		off += k
 	}
 	return true
+}
+
+// rebaser turns a line's extents into the table's.
+type rebaser struct {
+	base  int64
+	yield func(Extent) bool
+}
+
+func (r *rebaser) rebase(e Extent) bool {
+	e.VOff += r.base
+	return r.yield(e)
 }
 
 // Extents returns Map's extents as a slice.
