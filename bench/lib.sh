@@ -10,6 +10,7 @@
 #                              if it exits first, prints LOG and fails.
 #   bench_machine              prints the machine, tools and load average.
 #   cpu_ticks PID              prints PID's user + system CPU in clock ticks.
+#   guest_rounds TAG           sums up a guest log's per-round result lines.
 
 bench_setup() {
 	local name=$1 tool
@@ -58,4 +59,31 @@ cpu_ticks() {
 	# Fields 14 and 15 of /proc/PID/stat, counted after the command name,
 	# which is in parentheses and may contain spaces.
 	sed 's/.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
+}
+
+# guest_rounds TAG: reads a guest's log on stdin, whose result lines are
+# "TAG CASE IOPS X A B" (one per case and round), and prints one line per
+# case, in order of first appearance: "CASE MEDIAN_IOPS SUM_A SUM_B
+# ROUNDS", ROUNDS being each round's IOPS joined by commas.
+guest_rounds() {
+	tr -d '\r' | awk -v tag="$1" '
+		function median(c,   k, i, j, t, a) {
+			k = runs[c]
+			for (i = 1; i <= k; i++) a[i] = iops[c, i]
+			for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+			return k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
+		}
+		$1 == tag {
+			c = $2
+			if (!(c in runs)) name[n++] = c
+			runs[c]++
+			iops[c, runs[c]] = $3; sa[c] += $5; sb[c] += $6
+			all[c] = all[c] (all[c] == "" ? "" : ",") $3
+		}
+		END {
+			for (i = 0; i < n; i++) {
+				c = name[i]
+				printf "%s %d %d %d %s\n", c, median(c), sa[c], sb[c], all[c]
+			}
+		}'
 }

@@ -184,26 +184,15 @@ if [ "${GUEST:-1}" != 0 ]; then
 		echo
 		echo "| case | IOPS | IOPS per round | vs base (same device kind) | disk flushes per write |"
 		echo "|---|---:|---|---:|---:|"
-		tr -d '\r' <"$out/guest.log" | awk '
-			function median(c,   k, i, j, t, a) {
-				k = runs[c]
-				for (i = 1; i <= k; i++) a[i] = iops[c, i]
-				for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
-				return k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
-			}
-			$1 == "SNAPBENCH" {
-				c = $2
-				if (!(c in runs)) name[n++] = c
-				runs[c]++
-				iops[c, runs[c]] = $3; w[c] += $5; fl[c] += $6
-				all[c] = all[c] (all[c] == "" ? "" : ", ") $3
-			}
+		guest_rounds SNAPBENCH <"$out/guest.log" | awk '
+			{ c = $1; name[n++] = c; m[c] = $2; w[c] = $3; fl[c] = $4; all[c] = $5 }
 			END {
 				for (i = 0; i < n; i++) {
 					c = name[i]; b = c
 					sub(/snap/, "base", b); sub(/-first/, "", b)
-					m = median(c); mb = (b in runs) ? median(b) : 0
-					printf "| %s | %d | %s | %.3f | %.2f |\n", c, m, all[c], (mb > 0 ? m / mb : 0), (w[c] > 0 ? fl[c] / w[c] : 0)
+					mb = (b in m) ? m[b] : 0
+					r = all[c]; gsub(/,/, ", ", r)
+					printf "| %s | %d | %s | %.3f | %.2f |\n", c, m[c], r, (mb > 0 ? m[c] / mb : 0), (w[c] > 0 ? fl[c] / w[c] : 0)
 				}
 			}'
 	} | tee -a "$out/table.md"

@@ -16,6 +16,7 @@
 # bench/results/vm-<time>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 runtime=${1:-20}
 reps=${2:-1}
 shift 2 || shift $#
@@ -40,26 +41,15 @@ echo "fio: 4k randwrite, ioengine=sync, fdatasync=1, numjobs=2, runtime ${runtim
 echo
 echo "| case | IOPS | KiB/s | IOPS per round | fdatasyncs | disk flushes | disk flushes per fdatasync | vs nbdmapper 1 segment |"
 echo "|---|---:|---:|---|---:|---:|---:|---:|"
-tr -d '\r' <"$out/guest.log" | awk '
-	function median(c,   k, i, j, t, a) {
-		k = runs[c]
-		for (i = 1; i <= k; i++) a[i] = iops[c, i]
-		for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
-		return k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
-	}
-	$1 == "VMBENCH" {
-		c = $2
-		if (!(c in runs)) name[n++] = c
-		runs[c]++
-		iops[c, runs[c]] = $3; fl[c] += $5; dfl[c] += $6
-		all[c] = all[c] (all[c] == "" ? "" : ", ") $3
-	}
+guest_rounds VMBENCH <"$out/guest.log" | awk '
+	{ c = $1; name[n++] = c; m[c] = $2; fl[c] = $3; dfl[c] = $4; all[c] = $5 }
 	END {
-		base = ("nbdmapper-1" in runs) ? median("nbdmapper-1") : 0
+		base = ("nbdmapper-1" in m) ? m["nbdmapper-1"] : 0
 		for (i = 0; i < n; i++) {
-			c = name[i]; m = median(c)
+			c = name[i]
 			r = fl[c] > 0 ? sprintf("%.2f", dfl[c] / fl[c]) : "-"
-			v = base > 0 ? sprintf("%.3f", m / base) : "-"
-			printf "| %s | %d | %d | %s | %d | %d | %s | %s |\n", c, m, m * 4, all[c], fl[c], dfl[c], r, v
+			v = base > 0 ? sprintf("%.3f", m[c] / base) : "-"
+			a = all[c]; gsub(/,/, ", ", a)
+			printf "| %s | %d | %d | %s | %d | %d | %s | %s |\n", c, m[c], m[c] * 4, a, fl[c], dfl[c], r, v
 		}
 	}'
