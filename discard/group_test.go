@@ -111,3 +111,23 @@ func TestGroupCommitFullBatch(t *testing.T) {
 		t.Errorf("discard calls %v, want %v", got, want)
 	}
 }
+
+// A trim that finds nothing gathering and nothing in flight is issued as
+// it is, without building a batch to wait in: it costs no more than a
+// trim that is never batched (PerRequest).
+func TestLoneTrimBuildsNoBatch(t *testing.T) {
+	m := backing.NewMem("m", 64<<20)
+	x := []discard.Extent{{Dev: m, Off: 0, Len: 1 << 20}}
+	allocs := func(perRequest bool) float64 {
+		eng := discard.New()
+		eng.PerRequest = perRequest
+		return testing.AllocsPerRun(100, func() {
+			if err := eng.Discard(x); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	if lone, never := allocs(false), allocs(true); lone > never {
+		t.Errorf("a lone trim allocated %v times, a never-batched one %v: the lone trim built a batch", lone, never)
+	}
+}

@@ -31,8 +31,9 @@ import (
 )
 
 const usage = `usage:
-  nbdmapper serve [--socket PATH [--socket-mode 0660]] [--listen HOST:PORT] [--read-only] [--metrics HOST:PORT|off]
-                  [--metrics-web-config FILE] [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
+  nbdmapper serve [--socket PATH [--socket-mode 0660]] [--listen HOST:PORT] [--read-only] [--hole-map=false]
+                  [--metrics HOST:PORT|off] [--metrics-web-config FILE]
+                  [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
                   [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [--procs N|auto] [--merge-rate BYTES]
