@@ -78,7 +78,30 @@ type device struct {
 type inflight struct {
 	calls []backing.Range // ascending
 	seq   uint64          // the plan's number (Engine.plans)
-	done  chan struct{}
+	// done is made by the first Claim that waits for these calls and
+	// closed when they complete, both under Engine.mu: most discards are
+	// never waited for, and then cost no channel.
+	done chan struct{}
+	one  [1]backing.Range // calls' array for a single call (Engine.one)
+}
+
+// register records fl as in flight on st and numbers it. e.mu must be held.
+func (e *Engine) register(st *device, fl *inflight) {
+	fl.seq = e.plans
+	e.plans++
+	st.inflight = append(st.inflight, fl)
+	e.flying++
+}
+
+// land removes fl from st's calls in flight, waking the Claims that wait
+// for it and a batch whose turn it was. e.mu must be held.
+func (e *Engine) land(st *device, fl *inflight) {
+	st.inflight = removeInflight(st.inflight, fl)
+	e.flying--
+	e.landed(fl.seq)
+	if fl.done != nil {
+		close(fl.done)
+	}
 }
 
 // batch is the trims gathering to be issued together.
@@ -145,6 +168,9 @@ func (e *Engine) Discard(exts []Extent) error {
 		// Nothing gathering, nothing in flight: a batch of this trim
 		// alone would be issued at once. Issue it without one; the trims
 		// that arrive meanwhile gather behind it.
+		if len(exts) == 1 {
+			return e.one(exts[0])
+		}
 		return e.now(exts)
 	}
 	b := e.batch
@@ -209,7 +235,45 @@ func (e *Engine) DiscardNow(exts []Extent) error {
 		return e.discardEach(exts)
 	}
 	e.mu.Lock()
+	if len(exts) == 1 && exts[0].Len > 0 {
+		return e.one(exts[0])
+	}
 	return e.now(exts)
+}
+
+// one is now for a single extent, the trim of a linear table: the same
+// plan (cut to the device's granularity, split at its maximum as issued)
+// without the grouping, sorting and merging a single range does not need,
+// issued on the caller's goroutine. e.mu must be held; one unlocks it.
+func (e *Engine) one(x Extent) error {
+	st := e.device(x.Dev)
+	r := backing.Range{Off: x.Off, Len: x.Len}
+	st.stats.received1(r)
+	var lim backing.Limits
+	err := backing.Guard(x.Dev.Name(), e.OnPanic, func() error {
+		lim = x.Dev.Limits()
+		return nil
+	})
+	g := max(lim.Granularity, 1)
+	r.Off, r.Len = (r.Off+g-1)/g*g, r.End()/g*g
+	r.Len -= r.Off
+	if err != nil || r.Len <= 0 {
+		e.mu.Unlock()
+		return errors.Join(err)
+	}
+	fl := &inflight{}
+	fl.one[0] = r
+	fl.calls = fl.one[:]
+	e.register(st, fl)
+	e.pending.Store(true)
+	e.mu.Unlock()
+
+	err = e.discardCalls(st, fl.calls, lim)
+	e.mu.Lock()
+	e.land(st, fl)
+	e.pending.Store(e.batch != nil || e.flying > 0)
+	e.mu.Unlock()
+	return errors.Join(err)
 }
 
 // now issues exts, sorted and merged, at once. e.mu must be held; now
@@ -263,20 +327,18 @@ func (e *Engine) seal(b *batch) {
 // batch leaves no moment in which a Claim could miss them.
 func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 	type job struct {
-		fl  inflight
-		err error
+		fl       inflight
+		err      error
+		finished chan struct{} // closed when a device run on its own goroutine is done
 	}
 	jobs := make([]job, len(sts))
 	for i, st := range sts {
 		dp := p.Devices[i]
 		st.stats.mergedAway.Add(uint64(dp.MergedAway()))
 		j := &jobs[i]
-		j.fl = inflight{calls: dp.Calls, done: make(chan struct{})}
+		j.fl.calls = dp.Calls
 		if len(dp.Calls) > 0 {
-			j.fl.seq = e.plans
-			e.plans++
-			st.inflight = append(st.inflight, &j.fl)
-			e.flying++
+			e.register(st, &j.fl)
 		}
 	}
 	e.pending.Store(e.batch != nil || e.flying > 0)
@@ -291,18 +353,16 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 			}
 			e.mu.Lock()
 			if len(p.Devices[i].Calls) > 0 {
-				st.inflight = removeInflight(st.inflight, &j.fl)
-				e.flying--
-				e.landed(j.fl.seq)
+				e.land(st, &j.fl)
 			}
 			e.pending.Store(e.batch != nil || e.flying > 0)
 			e.mu.Unlock()
-			close(j.fl.done)
 		}
 		if i == len(sts)-1 {
 			run() // the last device on this goroutine
 		} else {
-			go run()
+			j.finished = make(chan struct{})
+			go func() { defer close(j.finished); run() }()
 		}
 	}
 	return func(st *device) error {
@@ -310,7 +370,9 @@ func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
 		if i < 0 {
 			return nil
 		}
-		<-jobs[i].fl.done
+		if c := jobs[i].finished; c != nil {
+			<-c
+		}
 		return jobs[i].err
 	}
 }
@@ -381,11 +443,12 @@ func (e *Engine) call(st *device, op string, fn func() error) error {
 	} else {
 		st.stats.calls.Add(1)
 	}
+	if e.Observe == nil {
+		return backing.Guard(st.dev.Name(), e.OnPanic, fn)
+	}
 	t0 := time.Now()
 	err := backing.Guard(st.dev.Name(), e.OnPanic, fn)
-	if e.Observe != nil {
-		e.Observe(st.dev.Name(), op, time.Since(t0))
-	}
+	e.Observe(st.dev.Name(), op, time.Since(t0))
 	return err
 }
 
@@ -412,6 +475,9 @@ func (e *Engine) Claim(dev backing.Device, off, n int64) {
 	}
 	for _, fl := range st.inflight {
 		if overlaps(fl.calls, off, end) {
+			if fl.done == nil {
+				fl.done = make(chan struct{})
+			}
 			wait = append(wait, fl.done)
 		}
 	}

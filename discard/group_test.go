@@ -6,6 +6,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/internal/fault"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
@@ -113,21 +114,77 @@ func TestGroupCommitFullBatch(t *testing.T) {
 }
 
 // A trim that finds nothing gathering and nothing in flight is issued as
-// it is, without building a batch to wait in: it costs no more than a
-// trim that is never batched (PerRequest).
+// it is, without building a batch to wait in. A trim of one extent (every
+// trim of a linear table) then allocates nothing but the record that
+// Claim finds it by while it runs.
 func TestLoneTrimBuildsNoBatch(t *testing.T) {
 	m := backing.NewMem("m", 64<<20)
 	x := []discard.Extent{{Dev: m, Off: 0, Len: 1 << 20}}
-	allocs := func(perRequest bool) float64 {
+	for _, perRequest := range []bool{false, true} {
 		eng := discard.New()
 		eng.PerRequest = perRequest
-		return testing.AllocsPerRun(100, func() {
+		allocs := testing.AllocsPerRun(100, func() {
 			if err := eng.Discard(x); err != nil {
 				t.Fatal(err)
 			}
 		})
+		if allocs > 1 {
+			t.Errorf("PerRequest %v: a lone trim allocated %v times, want 1 (its in-flight record)", perRequest, allocs)
+		}
 	}
-	if lone, never := allocs(false), allocs(true); lone > never {
-		t.Errorf("a lone trim allocated %v times, a never-batched one %v: the lone trim built a batch", lone, never)
+}
+
+// limitedMem is an in-memory device with chosen discard limits.
+type limitedMem struct {
+	*backing.Mem
+	lim backing.Limits
+}
+
+func (d limitedMem) Limits() backing.Limits { return d.lim }
+
+// A lone trim of one extent skips grouping, sorting and merging, but
+// reaches the device as the plan says: cut inward to the granularity, split
+// at the maximum.
+func TestLoneTrimIssuesItsPlan(t *testing.T) {
+	lim := backing.Limits{Granularity: 4096, MaxBytes: 8192}
+	for _, x := range []struct{ off, n int64 }{{0, 64 << 10}, {1000, 20000}, {100, 3000}, {4096, 40 << 10}} {
+		rec := backing.NewRecorder(limitedMem{backing.NewMem("m", 1<<20), lim})
+		e := ext(rec, x.off, x.n)
+		eng := discard.New()
+		if err := eng.Discard([]discard.Extent{e}); err != nil {
+			t.Fatal(err)
+		}
+		want := discard.PlanDiscard([]discard.Extent{e}).Devices[0].Calls
+		if got := discards(rec); !slices.Equal(got, want) {
+			t.Errorf("trim %d+%d: calls %v, want the plan's %v", x.off, x.n, got, want)
+		}
+		st := eng.Stats().Devices[0]
+		if st.RangesIn != 1 || st.BytesIn != uint64(x.n) || st.BytesOut != uint64(discard.Bytes(want)) {
+			t.Errorf("trim %d+%d: stats %+v", x.off, x.n, st)
+		}
+	}
+}
+
+// A device whose Limits panics fails a lone trim with the panic, touches
+// nothing, and leaves the engine with nothing in flight.
+func TestLoneTrimLimitsPanic(t *testing.T) {
+	eng := discard.New()
+	panics := &fault.PanicLog{}
+	eng.OnPanic = panics.OnPanic
+	rec := backing.NewRecorder(backing.NewMem("m", 1<<20))
+	if err := eng.Discard([]discard.Extent{ext(panicLimits{rec}, 0, 64<<10)}); !fault.Panic.Is(err) {
+		t.Fatalf("trim: %v, want the panic", err)
+	}
+	if n := len(discards(rec)); n != 0 {
+		t.Fatalf("%d discard calls after Limits panicked", n)
+	}
+	// Nothing is left in flight: a write's Claim returns, and the next
+	// trim goes out alone.
+	eng.Claim(rec, 0, 64<<10)
+	if err := eng.Discard([]discard.Extent{ext(rec, 0, 64<<10)}); err != nil {
+		t.Fatal(err)
+	}
+	if got := discards(rec); !slices.Equal(got, []backing.Range{{Off: 0, Len: 64 << 10}}) {
+		t.Errorf("discard calls %v", got)
 	}
 }

@@ -37,6 +37,12 @@ type counters struct {
 	unsupported, errors, zeroRangesIn, zeroCalls   atomic.Uint64
 }
 
+// received1 is received for a single range.
+func (c *counters) received1(r backing.Range) {
+	c.rangesIn.Add(1)
+	c.bytesIn.Add(uint64(r.Len))
+}
+
 func (c *counters) received(rs []backing.Range) {
 	c.rangesIn.Add(uint64(len(rs)))
 	c.bytesIn.Add(uint64(Bytes(rs)))
