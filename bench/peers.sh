@@ -36,8 +36,9 @@
 # PEERS="..." picks the peers (default: nbdmapper nbdkit qemu-nbd); the
 # peer nbdmapper-nomap is the same binary with --hole-map=false, which reads
 # holes as data, as before sparse reads (a baseline for them in the same
-# run), and nbdmapper-pN the same binary with --procs=N instead of the
-# default auto. ROWS="0 1" runs only those workloads (indices in the list below).
+# run), nbdmapper-nosplice the same binary with --splice=false, which
+# reads every request into a buffer, and nbdmapper-pN the same binary with
+# --procs=N instead of the default auto. ROWS="0 1" runs only those workloads (indices in the list below).
 # Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +78,7 @@ profile_flag() {
 variant_flag() {
 	case $1 in
 	nbdmapper-nomap) echo --hole-map=false ;;
+	nbdmapper-nosplice) echo --splice=false ;;
 	nbdmapper-p[0-9]*) echo "--procs=${1#nbdmapper-p}" ;;
 	*) echo --hole-map=true ;;
 	esac

@@ -249,20 +249,14 @@ func (e *Engine) one(x Extent) error {
 	st := e.device(x.Dev)
 	r := backing.Range{Off: x.Off, Len: x.Len}
 	st.stats.received1(r)
-	var lim backing.Limits
-	err := backing.Guard(x.Dev.Name(), e.OnPanic, func() error {
-		lim = x.Dev.Limits()
-		return nil
-	})
-	g := max(lim.Granularity, 1)
-	r.Off, r.Len = (r.Off+g-1)/g*g, r.End()/g*g
-	r.Len -= r.Off
-	if err != nil || r.Len <= 0 {
+	lim, err := e.limits(x.Dev)
+	c, ok := cutOne(r, lim)
+	if err != nil || !ok {
 		e.mu.Unlock()
 		return errors.Join(err)
 	}
 	fl := &inflight{}
-	fl.one[0] = r
+	fl.one[0] = c
 	fl.calls = fl.one[:]
 	e.register(st, fl)
 	e.pending.Store(true)
@@ -274,6 +268,17 @@ func (e *Engine) one(x Extent) error {
 	e.pending.Store(e.batch != nil || e.flying > 0)
 	e.mu.Unlock()
 	return errors.Join(err)
+}
+
+// limits asks d for its limits. The engine plans on the batch timer's
+// goroutine too, so a panic in Limits becomes the error of the trims that
+// wait for d.
+func (e *Engine) limits(d backing.Device) (lim backing.Limits, err error) {
+	err = backing.Guard(d.Name(), e.OnPanic, func() error {
+		lim = d.Limits()
+		return nil
+	})
+	return lim, err
 }
 
 // now issues exts, sorted and merged, at once. e.mu must be held; now

@@ -125,10 +125,7 @@ func plan(op Op, devs []*pending, issuer *Engine) Plan {
 		if issuer == nil {
 			dp.Limits = d.dev.Limits()
 		} else {
-			dp.err = backing.Guard(d.dev.Name(), issuer.OnPanic, func() error {
-				dp.Limits = d.dev.Limits()
-				return nil
-			})
+			dp.Limits, dp.err = issuer.limits(d.dev)
 		}
 		merged := Merge(d.in)
 		dp.mergedN = len(merged)
@@ -231,16 +228,21 @@ func Align(rs []backing.Range, lim backing.Limits) []backing.Range {
 // over the device's MaxBytes (a 4 GiB trim on a device taking 512 bytes per
 // discard would otherwise be 8 Mi calls, 128 MiB, held at once).
 func cut(rs []backing.Range, lim backing.Limits) []backing.Range {
-	g := max(lim.Granularity, 1)
 	var out []backing.Range
 	for _, r := range rs {
-		off := (r.Off + g - 1) / g * g
-		end := r.End() / g * g
-		if off < end {
-			out = append(out, backing.Range{Off: off, Len: end - off})
+		if c, ok := cutOne(r, lim); ok {
+			out = append(out, c)
 		}
 	}
 	return out
+}
+
+// cutOne is r cut inward to lim's granularity; ok is false if nothing is left.
+func cutOne(r backing.Range, lim backing.Limits) (c backing.Range, ok bool) {
+	g := max(lim.Granularity, 1)
+	off := (r.Off + g - 1) / g * g
+	end := r.End() / g * g
+	return backing.Range{Off: off, Len: end - off}, off < end
 }
 
 // step is the largest discard call lim allows, a multiple of the

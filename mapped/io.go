@@ -250,18 +250,46 @@ func (w *extentWriter) write(e table.Extent) bool {
 // write spans several extents or touches a zero or error target; writeAt
 // then writes normally and flushes the devices it touched.
 func (m *Device) writeFUA(t *table.Table, p []byte, off int64) (handled bool, err error) {
-	var ext table.Extent
-	n := 0
-	t.Map(off, int64(len(p)), func(e table.Extent) bool {
-		ext = e
-		n++
-		return n == 1
-	})
-	if n != 1 || ext.Kind != table.KindMapped {
+	ext, ok := oneExtent(t, off, int64(len(p)))
+	if !ok {
 		return false, nil
 	}
 	m.discard.Claim(ext.Dev, ext.Off, ext.Len)
 	return true, m.flush.WriteFUA(ext.Dev, p, ext.Off)
+}
+
+// oneExtent returns the extent [off, off+n) maps to if it is a single
+// mapped one (not a zero or error target, not split across lines or
+// stripes).
+func oneExtent(t *table.Table, off, n int64) (ext table.Extent, ok bool) {
+	k := 0
+	t.Map(off, n, func(e table.Extent) bool {
+		ext = e
+		k++
+		return k == 1
+	})
+	return ext, k == 1 && ext.Kind == table.KindMapped
+}
+
+// Splice moves [off, off+n) into a pipe (see backing.Splicer) when it lies
+// on one mapped extent of a device that can splice it and holds no hole
+// the device knows of; the caller sends the pipe's contents as the read's
+// data. ok false means nothing moved and the range is to be read (Read,
+// ReadSparse), which also reports any error of the request itself. With
+// ok, an error is a read error at failed, and the pipe may hold part of
+// the range.
+func (m *Device) Splice(pipe int, off, n int64) (ok bool, failed int64, err error) {
+	l, err := m.admit(off, n)
+	if err != nil {
+		return false, off, nil
+	}
+	defer m.exit()
+	ext, ok := oneExtent(l.t, off, n)
+	if !ok {
+		return false, off, nil
+	}
+	ok, err = backing.Splice(ext.Dev, pipe, ext.Off, int(n))
+	return ok, off, err
 }
 
 // Flush makes every write completed before the call durable.

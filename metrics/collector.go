@@ -92,6 +92,9 @@ var (
 	descReadHoleBytes = desc("nbdmapper_read_hole_bytes_total",
 		"Bytes of reads answered as hole chunks, by export.",
 		"export")
+	descReadSplicedBytes = desc("nbdmapper_read_spliced_bytes_total",
+		"Bytes of reads sent by splice(2), from the page cache to the socket without a copy in the server, by export.",
+		"export")
 
 	// Flush engine.
 	descFlushes = desc("nbdmapper_flushes_total",
@@ -296,7 +299,7 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 		descConnections, descConnectionsTotal, descConnectionsOpen,
 		descConnectionsRefused, descHandshakeTimeouts, descReplyTimeouts, descAcceptRetries,
 		descPanics, descMemoryInUse, descMemoryLimit, descMemoryWaits,
-		descReadChunks, descReadHoleBytes, descHoleLookups, descHoleRefused, descHoleKnown, descHoleSlots,
+		descReadChunks, descReadHoleBytes, descReadSplicedBytes, descHoleLookups, descHoleRefused, descHoleKnown, descHoleSlots,
 		descFlushes, descDeviceFlushes, descDeviceSyncs, descDeviceSkipped,
 		descDeviceCoalesced, descDeviceSyncErrors, descDeviceDirty, descDeviceFailed,
 		descDiscardRangesIn, descDiscardBytesIn, descDiscardCalls,
@@ -414,6 +417,7 @@ func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.
 		counter(ch, descReadChunks, uint64(x.ReadDataChunks), x.Name, "data")
 		counter(ch, descReadChunks, uint64(x.ReadHoleChunks), x.Name, "hole")
 		counter(ch, descReadHoleBytes, uint64(x.ReadHoleBytes), x.Name)
+		counter(ch, descReadSplicedBytes, uint64(x.ReadSplicedBytes), x.Name)
 		for _, name := range nbdtarget.Ops {
 			op := x.Ops[name]
 			counter(ch, descRequests, uint64(op.Requests), x.Name, name)

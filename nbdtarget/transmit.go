@@ -51,10 +51,11 @@ type conn struct {
 	// Negotiated in the handshake.
 	noZeroes   bool
 	structured bool
-	meta       bool      // base:allocation selected
-	metaExport *Export   // ... for this export
-	tls        *tls.Conn // after STARTTLS; br and bw then read and write it
-	ro         bool      // the export is read-only for this client
+	meta       bool            // base:allocation selected
+	metaExport *Export         // ... for this export
+	tls        *tls.Conn       // after STARTTLS; br and bw then read and write it
+	raw        syscall.RawConn // nc's descriptor, for spliced reads; nil if it has none
+	ro         bool            // the export is read-only for this client
 
 	x  *Export
 	st *exportStats
@@ -453,6 +454,10 @@ func (c *conn) exec(j *job) error {
 		if n == 0 {
 			return nil
 		}
+		if ok, err := c.spliceRead(j); ok {
+			j.hasErrOff = err != nil
+			return err
+		}
 		j.setBuf(int(n))
 		var err error
 		if c.sparse(r) {
@@ -626,6 +631,16 @@ func (c *conn) reply(j *job) {
 		b = appendSimpleReply(b, r.Handle, j.errno)
 	case r.Type == cmdRead && c.structured && r.Length == 0:
 		b = appendChunkHeader(b, r.Handle, replyFlagDone, chunkNone, 0)
+	case r.Type == cmdRead && j.pipe != nil:
+		if c.structured {
+			b = appendDataChunkHeader(b, r.Handle, replyFlagDone, r.Offset, r.Length)
+			c.st.readChunks[0].Add(1)
+		} else {
+			b = appendSimpleReply(b, r.Handle, 0)
+		}
+		j.out = b
+		c.sendSpliced(j, b)
+		return
 	case r.Type == cmdRead && c.structured && len(j.holes) > 0:
 		c.sendRead(j, int64(r.Offset), j.buf, true)
 		return
@@ -866,6 +881,7 @@ type job struct {
 
 	bufp *[]byte // pooled payload or read buffer
 	buf  []byte  // (*bufp)[:req.Length]
+	pipe *pipe   // a spliced read's data, instead of buf
 
 	ran       bool // executed while its payload was read (writeStream)
 	errno     uint32

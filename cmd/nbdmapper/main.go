@@ -31,7 +31,7 @@ import (
 )
 
 const usage = `usage:
-  nbdmapper serve [--socket PATH [--socket-mode 0660]] [--listen HOST:PORT] [--read-only] [--hole-map=false]
+  nbdmapper serve [--socket PATH [--socket-mode 0660]] [--listen HOST:PORT] [--read-only] [--hole-map=false] [--splice=false]
                   [--metrics HOST:PORT|off] [--metrics-web-config FILE]
                   [--tls off|on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]]
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
@@ -135,6 +135,7 @@ type serveFlags struct {
 	socket, listen string
 	readOnly       bool
 	holeMap        bool
+	splice         bool
 	flushBaseline  string
 	cpuProfile     string
 	metrics        string
@@ -151,6 +152,7 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.listen, "listen", "", "listen on HOST:PORT (default 127.0.0.1:10809 when no --socket)")
 	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")
 	fs.BoolVar(&sf.holeMap, "hole-map", true, "keep a map of each backing file's holes, so that reads of holes are answered without reading them (hole chunks with structured replies); false asks the file system every time and reads holes as data, for files that other processes change while served")
+	fs.BoolVar(&sf.splice, "splice", true, "send large reads on plain connections from the page cache to the socket with splice(2), without copying them; false reads them into buffers")
 	fs.StringVar(&sf.metrics, "metrics", defaultMetricsAddr, "serve Prometheus /metrics on HOST:PORT ('off' disables)")
 	fs.StringVar(&sf.metricsWeb, "metrics-web-config", "", "TLS and basic auth for --metrics: a Prometheus web config file, as node_exporter's --web.config.file")
 	sf.socketMode = defaultSocketMode
@@ -201,7 +203,7 @@ func runServe(args []string) error {
 	// The server exists before the tables, so that a panic in device code
 	// while they load (a snapshot reading its COW store) is logged and
 	// counted like any other.
-	srv := &nbdtarget.Server{Logger: log}
+	srv := &nbdtarget.Server{Logger: log, NoSplice: !sf.splice}
 	lf.apply(srv)
 	procs.apply(srv)
 	flusher := flush.New()

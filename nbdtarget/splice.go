@@ -1,0 +1,183 @@
+package nbdtarget
+
+import (
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Large reads on plain sockets are spliced: the data moves from the page
+// cache into a pipe and from the pipe into the socket by reference
+// (splice(2)), never through a buffer of ours, which saves both of the
+// copies a pread and a write make. The pipe is filled before the reply's
+// header is written, so a read error is an ordinary error reply, as it is
+// for a read into a buffer. Reads shorter than spliceMin cost fewer system
+// calls through a buffer; reads longer than spliceMax (a pipe's room) and
+// TLS connections, whose bytes must pass through user memory to be
+// encrypted, use the buffer too.
+const (
+	spliceMin = 128 << 10
+	spliceMax = 1 << 20
+	// maxPipes bounds the pipes the server holds, two descriptors each; a
+	// read that finds none free is read into a buffer.
+	maxPipes = 16
+)
+
+// pipe is a pipe with room for spliceMax bytes, empty while in the pool.
+type pipe struct{ r, w int }
+
+// pipePool lends pipes to spliced reads, making them as needed up to
+// maxPipes.
+type pipePool struct {
+	mu     sync.Mutex
+	free   []*pipe
+	made   int
+	broken bool // pipes cannot be made with room for spliceMax
+}
+
+// get returns an empty pipe, or nil if none is free and no more can be made.
+func (pp *pipePool) get() *pipe {
+	pp.mu.Lock()
+	defer pp.mu.Unlock()
+	if n := len(pp.free); n > 0 {
+		p := pp.free[n-1]
+		pp.free = pp.free[:n-1]
+		return p
+	}
+	if pp.broken || pp.made >= maxPipes {
+		return nil
+	}
+	var fds [2]int
+	// Non-blocking, so that a pipe that is not empty when it should be
+	// fails the splice (EAGAIN) instead of blocking it.
+	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
+		return nil // out of descriptors, for now
+	}
+	if room, err := unix.FcntlInt(uintptr(fds[1]), unix.F_SETPIPE_SZ, spliceMax); err != nil || room < spliceMax {
+		unix.Close(fds[0])
+		unix.Close(fds[1])
+		pp.broken = true
+		return nil
+	}
+	pp.made++
+	return &pipe{r: fds[0], w: fds[1]}
+}
+
+// put returns an empty pipe to the pool.
+func (pp *pipePool) put(p *pipe) {
+	pp.mu.Lock()
+	pp.free = append(pp.free, p)
+	pp.mu.Unlock()
+}
+
+// drop closes a pipe that may not be empty.
+func (pp *pipePool) drop(p *pipe) {
+	unix.Close(p.r)
+	unix.Close(p.w)
+	pp.mu.Lock()
+	pp.made--
+	pp.mu.Unlock()
+}
+
+// close closes the free pipes.
+func (pp *pipePool) close() {
+	pp.mu.Lock()
+	free := pp.free
+	pp.free = nil
+	pp.made -= len(free)
+	pp.mu.Unlock()
+	for _, p := range free {
+		unix.Close(p.r)
+		unix.Close(p.w)
+	}
+}
+
+// spliceRead moves read j's data into a pipe (mapped.Device.Splice), for
+// sendSpliced to pass on; ok false means it was not spliced and is to be
+// read into a buffer.
+func (c *conn) spliceRead(j *job) (ok bool, err error) {
+	r := &j.req
+	if c.raw == nil || c.tls != nil || c.srv.NoSplice || r.Length < spliceMin || r.Length > spliceMax {
+		return false, nil
+	}
+	p := c.srv.pipes.get()
+	if p == nil {
+		return false, nil
+	}
+	ok, j.errOff, err = c.x.Dev.Splice(p.w, int64(r.Offset), int64(r.Length))
+	switch {
+	case !ok:
+		c.srv.pipes.put(p)
+	case err != nil:
+		c.srv.pipes.drop(p)
+	default:
+		j.pipe = p
+	}
+	return ok, err
+}
+
+// sendSpliced sends a spliced read's reply: the header through bw, then
+// the pipe's bytes straight into the socket, waiting in the network poller
+// while the socket is full. The pipe goes back to the pool empty, or is
+// dropped if the write failed.
+func (c *conn) sendSpliced(j *job, hdr []byte) {
+	p := j.pipe
+	j.pipe = nil
+	c.lockSend()
+	defer c.unlockSend()
+	if c.werr == nil {
+		_, c.werr = c.bw.Write(hdr)
+	}
+	if c.werr == nil {
+		c.werr = c.bw.Flush()
+	}
+	if c.werr == nil {
+		c.werr = c.spliceOut(p, int(j.req.Length))
+	}
+	if c.werr != nil {
+		c.srv.pipes.drop(p)
+		return
+	}
+	c.srv.pipes.put(p)
+	c.st.splicedBytes.Add(int64(j.req.Length))
+}
+
+// spliceOut moves n bytes from p into the socket.
+func (c *conn) spliceOut(p *pipe, n int) error {
+	var serr error
+	err := c.raw.Write(func(fd uintptr) bool {
+		for n > 0 {
+			k, err := unix.Splice(p.r, nil, int(fd), nil, n, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
+			switch {
+			case err == unix.EINTR:
+				continue
+			case err == unix.EAGAIN:
+				return false // the socket is full: wait until it drains
+			case err != nil:
+				serr = err
+				return true
+			}
+			n -= int(k)
+			c.writing()
+		}
+		return true
+	})
+	if err != nil {
+		return err
+	}
+	return serr
+}
+
+// rawConn returns nc's descriptor access for splicing, or nil.
+func rawConn(nc any) syscall.RawConn {
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
+}

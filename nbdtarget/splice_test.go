@@ -1,0 +1,184 @@
+package nbdtarget
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+)
+
+// fileDev writes data to a new file of size bytes (a hole after data) and
+// opens it behind a hole map, as the pool opens a table's files.
+func fileDev(t *testing.T, name string, data []byte, size int64) *backing.HoleMap {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, size); err != nil {
+		t.Fatal(err)
+	}
+	f, err := backing.OpenFile(path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return backing.NewHoleMap(f)
+}
+
+// brokenSplice splices half of what it is asked for and then fails, as a
+// disk failing in the middle of a read would.
+type brokenSplice struct{ *backing.File }
+
+func (b brokenSplice) SpliceTo(pipe int, off int64, n int) (bool, error) {
+	if _, err := b.File.SpliceTo(pipe, off, n/2); err != nil {
+		return true, err
+	}
+	return true, syscall.EIO
+}
+
+// pipesSettled waits until every pipe the server made is back in its pool
+// and reports how many there are.
+func pipesSettled(t *testing.T, srv *Server) int {
+	t.Helper()
+	deadline := time.Now().Add(nbdtest.Bound)
+	for {
+		pp := &srv.pipes
+		pp.mu.Lock()
+		made, free := pp.made, len(pp.free)
+		pp.mu.Unlock()
+		if made == free {
+			return made
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d pipes made, %d back in the pool", made, free)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// Large reads of a file are spliced, and carry the file's bytes in every
+// reply form: simple replies, one data chunk, several reads in flight at
+// once over the pool's pipes. Reads below spliceMin, and reads that touch
+// a hole the map knows, are read into buffers as before.
+func TestSplicedReads(t *testing.T) {
+	const size = 4 << 20
+	data := pattern(size, 9)
+	x := newExport(t, "f", seg{len: size, dev: fileDev(t, "f.img", data, size)},
+		seg{len: 2 << 20, dev: fileDev(t, "sparse.img", data[:64*kb], 2<<20)})
+	srv := &Server{Exports: []*Export{x}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	spliced := func() int64 { return srv.Stats().Exports[0].ReadSplicedBytes }
+
+	c := dialRaw(t, sock)
+	c.connect("f", false, false)
+	c.request(cmdRead, 0, 1, 4096, spliceMax, nil)
+	if _, errno, got := c.simple(spliceMax); errno != 0 || !bytes.Equal(got, data[4096:4096+spliceMax]) {
+		t.Fatalf("simple reply: errno %d, or other bytes than the file's", errno)
+	}
+	if n := spliced(); n != spliceMax {
+		t.Fatalf("%d bytes spliced after one 1 MiB read, want %d", n, spliceMax)
+	}
+
+	s := dialRaw(t, sock)
+	s.connect("f", true, false)
+	const depth = 8
+	offs := make(map[uint64]uint64)
+	for h := range uint64(depth) {
+		offs[h] = h*(size/depth) + h*512
+		s.request(cmdRead, 0, h, offs[h], spliceMin+uint32(h)*4096, nil)
+	}
+	want := int64(spliceMax)
+	for range depth {
+		ch := s.chunk()
+		off := offs[ch.handle]
+		n := spliceMin + int(ch.handle)*4096
+		if ch.typ != chunkOffsetData || ch.flags&replyFlagDone == 0 || !bytes.Equal(ch.payload[8:], data[off:off+uint64(n)]) {
+			t.Fatalf("read %d+%d: chunk type %d flags %#x, or other bytes than the file's", off, n, ch.typ, ch.flags)
+		}
+		want += int64(n)
+	}
+	if n := spliced(); n != want {
+		t.Fatalf("%d bytes spliced, want %d", n, want)
+	}
+
+	s.request(cmdRead, 0, 99, 0, spliceMin-4096, nil)
+	if ch := s.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], data[:spliceMin-4096]) {
+		t.Fatalf("short read: chunk type %d, or other bytes", ch.typ)
+	}
+	if n := spliced(); n != want {
+		t.Fatalf("a read below spliceMin was spliced: %d bytes, want %d", n, want)
+	}
+	// Over the sparse file's hole: a data chunk and a hole chunk; with DF,
+	// one data chunk with the hole's zeros. Neither is spliced.
+	if got := describe(t, readChunks(s, 0, 100, size, spliceMax)); got != fmt.Sprintf("DATA %d+%d HOLE %d+%d!", size, 64*kb, size+64*kb, spliceMax-64*kb) {
+		t.Fatalf("read over a hole: %s", got)
+	}
+	s.request(cmdRead, cfDF, 101, size, spliceMax, nil)
+	if ch := s.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], append(data[:64*kb:64*kb], make([]byte, spliceMax-64*kb)...)) {
+		t.Fatalf("DF read over a hole: chunk type %d, or other bytes", ch.typ)
+	}
+	if n := spliced(); n != want {
+		t.Fatalf("a read over a hole was spliced: %d bytes, want %d", n, want)
+	}
+	if made := pipesSettled(t, srv); made < 1 || made > maxPipes {
+		t.Fatalf("%d pipes made", made)
+	}
+}
+
+// A read whose splice fails gets the spec's error reply and the
+// connection goes on; the pipe holding part of it is closed, not reused.
+// So is the pipe of a reply whose client is gone.
+func TestSplicedReadFailures(t *testing.T) {
+	const seg1 = 2 << 20
+	good := pattern(seg1, 3)
+	bad := fileDev(t, "bad.img", pattern(seg1, 4), seg1)
+	x := newExport(t, "f",
+		seg{len: seg1, dev: brokenSplice{bad.Unwrap().(*backing.File)}},
+		seg{len: seg1, dev: fileDev(t, "good.img", good, seg1)})
+	srv := &Server{Exports: []*Export{x}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+
+	c := dialRaw(t, sock)
+	c.connect("f", true, false)
+	for i := range 3 {
+		c.request(cmdRead, 0, 1, 0, spliceMax, nil)
+		ch := c.chunk()
+		errno, _, off, err := chunkErrno(ch)
+		if err != nil || errno != EIO || off != 0 || ch.flags&replyFlagDone == 0 {
+			t.Fatalf("read %d of the failing file: chunk type %d errno %d at %d (%v), want EIO at 0", i, ch.typ, errno, off, err)
+		}
+		c.request(cmdRead, 0, 2, seg1, spliceMax, nil)
+		if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
+			t.Fatalf("read %d of the good file after a failed one: chunk type %d, or other bytes", i, ch.typ)
+		}
+	}
+	if made := pipesSettled(t, srv); made != 1 {
+		t.Errorf("%d pipes in the pool, want the one the good reads share", made)
+	}
+
+	gone := dialRaw(t, sock)
+	gone.connect("f", true, false)
+	for h := range uint64(4) {
+		gone.request(cmdRead, 0, h, seg1, spliceMax, nil)
+	}
+	gone.nc.Close()
+	deadline := time.Now().Add(nbdtest.Bound)
+	for srv.Stats().Connections > 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the connection whose client left is still open")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	pipesSettled(t, srv)
+	c.request(cmdRead, 0, 3, seg1, spliceMax, nil)
+	if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
+		t.Fatalf("read after a client left mid-reply: chunk type %d, or other bytes", ch.typ)
+	}
+}
