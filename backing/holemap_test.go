@@ -45,6 +45,25 @@ func (g *gate) wait() { close(g.reached); <-g.open }
 
 func fill(n int, v byte) []byte { return bytes.Repeat([]byte{v}, n) }
 
+// openSparse creates a file of size bytes with no blocks allocated and
+// opens it; it is closed with the test.
+func openSparse(t *testing.T, size int64) *File {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "sparse.img")
+	if err := os.WriteFile(path, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, size); err != nil {
+		t.Fatal(err)
+	}
+	f, err := OpenFile(path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
 // mustData checks that [off, off+len(want)) of h reads back as want with
 // no hole reported, and that Holes reports none there either.
 func mustData(t *testing.T, h *HoleMap, off int64, want []byte) {
@@ -305,19 +324,8 @@ func covered(holes []Range, r Range) bool {
 // system's own answer, rounded to whole granules, including a last
 // granule cut short by the end of the file.
 func TestHoleMapFile(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "f")
 	const size = 3*holeChunk + 10000
-	if err := os.WriteFile(path, nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(path, size); err != nil {
-		t.Fatal(err)
-	}
-	f, err := OpenFile(path, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	f := openSparse(t, size)
 	h := NewHoleMap(f)
 	if holes, err := f.Holes(0, size); err != nil || len(holes) != 1 {
 		t.Skipf("file system reports no holes in a fresh sparse file: %v %v", holes, err)

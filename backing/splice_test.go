@@ -108,19 +108,7 @@ func TestFileSplice(t *testing.T) {
 // answers those as holes) and ranges outside the device. A device with no
 // Splicer below it declines too.
 func TestHoleMapSplice(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "sparse.img")
-	if err := os.WriteFile(path, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(path, 1<<20); err != nil {
-		t.Fatal(err)
-	}
-	f, err := OpenFile(path, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h := NewHoleMap(f)
+	h := NewHoleMap(openSparse(t, 1<<20))
 	data := fill(256<<10, 0x5a)
 	if _, err := h.WriteAt(data, 0); err != nil {
 		t.Fatal(err)
