@@ -152,3 +152,64 @@ func TestOnActive(t *testing.T) {
 	b.request(cmdDisc, 0, 0, 0, 0, nil)
 	got(1, 2, 1, 0)
 }
+
+// corkedConn holds the client's writes while corked and sends them in one
+// write when uncorked, so that many TLS records reach the server together.
+type corkedConn struct {
+	net.Conn
+	mu     sync.Mutex
+	corked bool
+	held   []byte
+}
+
+func (c *corkedConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.corked {
+		c.held = append(c.held, p...)
+		return len(p), nil
+	}
+	return c.Conn.Write(p)
+}
+
+func (c *corkedConn) uncork() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.corked = false
+	_, err := c.Conn.Write(c.held)
+	return err
+}
+
+// Over TLS too: crypto/tls decrypts one record per Read and the client
+// sends each request as a record of its own, so without tlsRecords the
+// reader would see one request at a time and flush every reply alone.
+func TestTLSRepliesBatched(t *testing.T) {
+	f := newTLSFix(t, TLSRequire)
+	srv := &countingServer{Server: &Server{Exports: f.srv.Exports, TLSConfig: f.certs.Config(), TLS: TLSRequire, MaxInFlight: 1}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	c := dialRaw(t, sock)
+	cc := &corkedConn{Conn: c.nc}
+	c.nc = cc
+	c.greet(3)
+	c.startTLS(f.goClient(t, "alice"))
+	c.connect2("main")
+	before := srv.writes.Load()
+	const n = 32
+	cc.mu.Lock()
+	cc.corked = true
+	cc.mu.Unlock()
+	for h := range uint64(n) {
+		c.request(cmdRead, 0, h, 0, 512, nil)
+	}
+	if err := cc.uncork(); err != nil {
+		t.Fatal(err)
+	}
+	for range n {
+		if _, e, _ := c.simple(512); e != 0 {
+			t.Fatalf("read: errno %d", e)
+		}
+	}
+	if w := srv.writes.Load() - before; w > n/4 {
+		t.Errorf("%d replies took %d writes, want at most %d", n, w, n/4)
+	}
+}

@@ -22,6 +22,7 @@ import (
 	"slices"
 	"strings"
 	"sync/atomic"
+	"time"
 )
 
 // TLSMode says what the server asks of clients when Server.TLSConfig is set.
@@ -285,7 +286,7 @@ func (c *conn) startTLS(data []byte) error {
 		return fmt.Errorf("TLS handshake: %w", err)
 	}
 	c.tls = tc
-	c.br.Reset(tc)
+	c.br.Reset(tlsRecords{c})
 	c.bw.Reset(tc)
 	c.structured, c.meta, c.metaExport = false, false, nil
 	cs := tc.ConnectionState()
@@ -305,4 +306,44 @@ func (c *conn) close() {
 		return
 	}
 	c.nc.Close()
+}
+
+// tlsRecords reads a TLS connection for the read buffer. crypto/tls
+// decrypts one record per Read, and a client such as libnbd sends each
+// request as a record of its own, so a buffer filled by one Read would hold
+// one request where the client sent several: the reader would then see no
+// request waiting and flush each reply on its own, one record and one
+// write each (see unlockSend). In the transmission phase, after a Read that
+// returned data, it also takes the records crypto/tls already holds, which
+// needs no system call, under a read deadline in the past so that it stops
+// at the first record that would need the socket.
+type tlsRecords struct{ c *conn }
+
+// longAgo is a deadline that has passed.
+var longAgo = time.Unix(1, 0)
+
+func (r tlsRecords) Read(p []byte) (int, error) {
+	c := r.c
+	n, err := c.tls.Read(p)
+	if err != nil || n == 0 || n == len(p) || !c.transmitting {
+		return n, err
+	}
+	c.nc.SetReadDeadline(longAgo)
+	for n < len(p) {
+		k, err := c.tls.Read(p[n:])
+		n += k
+		if err != nil || k == 0 {
+			// A deadline error says no whole record is held; any other
+			// error is kept by crypto/tls and returned by the next Read.
+			break
+		}
+	}
+	c.nc.SetReadDeadline(time.Time{})
+	if c.stopped.Load() {
+		// Shutdown's deadline (stopReading) may have been the one just
+		// cleared: set it again. stopped is set before that deadline, so
+		// one of the two is seen.
+		c.nc.SetReadDeadline(time.Now())
+	}
+	return n, nil
 }

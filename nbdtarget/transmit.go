@@ -55,7 +55,9 @@ type conn struct {
 	metaExport *Export         // ... for this export
 	tls        *tls.Conn       // after STARTTLS; br and bw then read and write it
 	raw        syscall.RawConn // nc's descriptor, for spliced reads; nil if it has none
-	ro         bool            // the export is read-only for this client
+
+	transmitting bool // the handshake is over (tlsRecords); set before transmit
+	ro           bool // the export is read-only for this client
 
 	x  *Export
 	st *exportStats
@@ -124,6 +126,7 @@ func (c *conn) serve() {
 	defer c.left()
 	c.log = c.log.With("export", x.Name)
 	c.log.Debug("nbd transmission", "structured", c.structured, "meta", c.meta)
+	c.transmitting = true
 	c.transmit()
 }
 
