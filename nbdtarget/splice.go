@@ -105,7 +105,14 @@ func (c *conn) spliceRead(j *job) (ok bool, err error) {
 	if p == nil {
 		return false, nil
 	}
+	settled := false
+	defer func() {
+		if !settled { // a panic below (protect answers it): contents unknown
+			c.srv.pipes.drop(p)
+		}
+	}()
 	ok, j.errOff, err = c.x.Dev.Splice(p.w, int64(r.Offset), int64(r.Length))
+	settled = true
 	switch {
 	case !ok:
 		c.srv.pipes.put(p)

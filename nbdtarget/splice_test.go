@@ -182,3 +182,40 @@ func TestSplicedReadFailures(t *testing.T) {
 		t.Fatalf("read after a client left mid-reply: chunk type %d, or other bytes", ch.typ)
 	}
 }
+
+// panicSplice panics in the middle of a splice.
+type panicSplice struct{ *backing.File }
+
+func (p panicSplice) SpliceTo(pipe int, off int64, n int) (bool, error) {
+	p.File.SpliceTo(pipe, off, n/2)
+	panic("device bug: splice")
+}
+
+// A panic in a device's splice is an EIO reply like any panic below the
+// protocol edge, and the pipe it left half full is closed, not pooled.
+func TestSplicePanic(t *testing.T) {
+	const seg1 = 2 << 20
+	good := pattern(seg1, 5)
+	bad := fileDev(t, "bad.img", pattern(seg1, 6), seg1)
+	x := newExport(t, "f",
+		seg{len: seg1, dev: panicSplice{bad.Unwrap().(*backing.File)}},
+		seg{len: seg1, dev: fileDev(t, "good.img", good, seg1)})
+	srv := &Server{Exports: []*Export{x}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	c := dialRaw(t, sock)
+	c.connect("f", true, false)
+	c.request(cmdRead, 0, 1, 0, spliceMax, nil)
+	if errno, _, _, err := chunkErrno(c.chunk()); err != nil || errno != EIO {
+		t.Fatalf("read through a panicking splice: errno %d (%v), want EIO", errno, err)
+	}
+	if n := srv.Stats().Panics; n != 1 {
+		t.Fatalf("%d panics counted, want 1", n)
+	}
+	if made := pipesSettled(t, srv); made != 0 {
+		t.Fatalf("%d pipes left after the panic, want the half-full one closed", made)
+	}
+	c.request(cmdRead, 0, 2, seg1, spliceMax, nil)
+	if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
+		t.Fatalf("read after the panic: chunk type %d, or other bytes", ch.typ)
+	}
+}
