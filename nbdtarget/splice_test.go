@@ -132,21 +132,30 @@ func TestSplicedReads(t *testing.T) {
 	}
 }
 
+// seg1 is the length of each segment of badSpliceFix's export.
+const seg1 = 2 << 20
+
+// badSpliceFix serves an export of two files, the first behind bad (a
+// device whose splice fails), the second good, and connects a client with
+// structured replies. It returns the server's socket and the good file's
+// bytes.
+func badSpliceFix(t *testing.T, bad func(*backing.File) backing.Device) (srv *Server, sock string, c *rawClient, good []byte) {
+	t.Helper()
+	good = pattern(seg1, 3)
+	f := fileDev(t, "bad.img", pattern(seg1, 4), seg1).Unwrap().(*backing.File)
+	x := newExport(t, "f", seg{len: seg1, dev: bad(f)}, seg{len: seg1, dev: fileDev(t, "good.img", good, seg1)})
+	srv = &Server{Exports: []*Export{x}}
+	sock = nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	c = dialRaw(t, sock)
+	c.connect("f", true, false)
+	return srv, sock, c, good
+}
+
 // A read whose splice fails gets the spec's error reply and the
 // connection goes on; the pipe holding part of it is closed, not reused.
 // So is the pipe of a reply whose client is gone.
 func TestSplicedReadFailures(t *testing.T) {
-	const seg1 = 2 << 20
-	good := pattern(seg1, 3)
-	bad := fileDev(t, "bad.img", pattern(seg1, 4), seg1)
-	x := newExport(t, "f",
-		seg{len: seg1, dev: brokenSplice{bad.Unwrap().(*backing.File)}},
-		seg{len: seg1, dev: fileDev(t, "good.img", good, seg1)})
-	srv := &Server{Exports: []*Export{x}}
-	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
-
-	c := dialRaw(t, sock)
-	c.connect("f", true, false)
+	srv, sock, c, good := badSpliceFix(t, func(f *backing.File) backing.Device { return brokenSplice{f} })
 	for i := range 3 {
 		c.request(cmdRead, 0, 1, 0, spliceMax, nil)
 		ch := c.chunk()
@@ -194,16 +203,7 @@ func (p panicSplice) SpliceTo(pipe int, off int64, n int) (bool, error) {
 // A panic in a device's splice is an EIO reply like any panic below the
 // protocol edge, and the pipe it left half full is closed, not pooled.
 func TestSplicePanic(t *testing.T) {
-	const seg1 = 2 << 20
-	good := pattern(seg1, 5)
-	bad := fileDev(t, "bad.img", pattern(seg1, 6), seg1)
-	x := newExport(t, "f",
-		seg{len: seg1, dev: panicSplice{bad.Unwrap().(*backing.File)}},
-		seg{len: seg1, dev: fileDev(t, "good.img", good, seg1)})
-	srv := &Server{Exports: []*Export{x}}
-	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
-	c := dialRaw(t, sock)
-	c.connect("f", true, false)
+	srv, _, c, good := badSpliceFix(t, func(f *backing.File) backing.Device { return panicSplice{f} })
 	c.request(cmdRead, 0, 1, 0, spliceMax, nil)
 	if errno, _, _, err := chunkErrno(c.chunk()); err != nil || errno != EIO {
 		t.Fatalf("read through a panicking splice: errno %d (%v), want EIO", errno, err)
