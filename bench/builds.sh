@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Runs one fio workload against several nbdmapper binaries (and nbdkit, as
+# a reference), one after another in every round, each on a fresh synced
+# copy of the same written file: what peers.sh does for servers, done for
+# builds, so that two versions are compared under the same machine load.
+#
+#   bench/builds.sh "FIO ARGS" [ROUNDS] BINARY|nbdkit...
+#
+# e.g. bench/builds.sh "--rw=randwrite --bs=4k --iodepth=1 --fsync=1" 3 \
+#          ./nbdmapper-old ./nbdmapper-new nbdkit
+#
+# Each nbdmapper serves a one-line linear table over a 1 GiB file on a unix
+# socket (EXTRA="--procs=2" adds flags to every one); fio's nbd engine runs
+# RUNTIME seconds (default 5). Prints each run, then per binary the median
+# IOPS, MiB/s and server CPU (user + system, from /proc) per request in µs.
+# Results land in bench/results/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+spec=$1
+rounds=${2:-3}
+shift 2
+[ $# -gt 0 ] || { echo "usage: bench/builds.sh \"FIO ARGS\" ROUNDS BINARY|nbdkit..." >&2; exit 2; }
+bins=()
+for b in "$@"; do
+	if [ "$b" = nbdkit ]; then bins+=(nbdkit); else bins+=("$(realpath "$b")"); fi
+done
+
+. bench/lib.sh
+bench_setup builds fio nbdkit python3
+bench_machine | tee "$out/machine.md"
+dd if=/dev/urandom of="$work/written.img" bs=1M count=1024 status=none
+sock=$work/s
+for round in $(seq "$rounds"); do
+	for i in "${!bins[@]}"; do
+		b=${bins[$i]}
+		cp "$work/written.img" "$work/d.img"
+		sync "$work/d.img"
+		echo "0 2097152 linear $work/d.img 0" >"$work/t"
+		rm -f "$sock"
+		if [ "$b" = nbdkit ]; then
+			nbdkit --foreground --unix "$sock" --exportname bench file "$work/d.img" 2>"$out/$i.log" &
+		else
+			# shellcheck disable=SC2086
+			"$b" serve --metrics off --control off --socket "$sock" ${EXTRA:-} "bench=$work/t" 2>"$out/$i.log" &
+		fi
+		pid=$!
+		wait_socket "$sock" "$pid" "$out/$i.log"
+		base=$out/$i-$round
+		cpu_ticks "$pid" >"$base.cpu0"
+		# shellcheck disable=SC2086
+		fio --name=b --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" $spec --size=1024M \
+			--time_based --runtime="${RUNTIME:-5}" --output-format=json >"$base.json"
+		cpu_ticks "$pid" >"$base.cpu1"
+		kill -INT "$pid"
+		wait "$pid" || true
+	done
+done
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.md"
+python3 - "$out" "$rounds" "$(getconf CLK_TCK)" "${bins[@]}" <<'PY' | tee "$out/table.md"
+import json, statistics, sys
+out, rounds, hz, bins = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+print("| binary | IOPS | MiB/s | CPU µs per request |")
+print("|---|---|---|---|")
+for i, b in enumerate(bins):
+    runs = []
+    for r in range(1, rounds + 1):
+        base = f"{out}/{i}-{r}"
+        text = open(f"{base}.json").read()
+        job = json.loads(text[text.index("{"):])["jobs"][0]
+        side = max((job[k] for k in ("read", "write", "trim")), key=lambda s: s["io_bytes"])
+        ios = sum(job[k]["total_ios"] for k in ("read", "write", "trim", "sync"))
+        ticks = int(open(f"{base}.cpu1").read()) - int(open(f"{base}.cpu0").read())
+        runs.append((side["iops"], side["bw_bytes"] / 2**20, ticks / hz / ios * 1e6))
+        print(f"  round {r} {b.split('/')[-1]}: {runs[-1][0]:.0f} IOPS, {runs[-1][1]:.0f} MiB/s, {runs[-1][2]:.2f} µs", file=sys.stderr)
+    med = [statistics.median(x[k] for x in runs) for k in range(3)]
+    print(f"| {b.split('/')[-1]} | {med[0]:.0f} | {med[1]:.0f} | {med[2]:.2f} |")
+PY
