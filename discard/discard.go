@@ -168,9 +168,6 @@ func (e *Engine) Discard(exts []Extent) error {
 		// Nothing gathering, nothing in flight: a batch of this trim
 		// alone would be issued at once. Issue it without one; the trims
 		// that arrive meanwhile gather behind it.
-		if len(exts) == 1 {
-			return e.one(exts[0])
-		}
 		return e.now(exts)
 	}
 	b := e.batch
@@ -235,9 +232,6 @@ func (e *Engine) DiscardNow(exts []Extent) error {
 		return e.discardEach(exts)
 	}
 	e.mu.Lock()
-	if len(exts) == 1 && exts[0].Len > 0 {
-		return e.one(exts[0])
-	}
 	return e.now(exts)
 }
 
@@ -284,6 +278,9 @@ func (e *Engine) limits(d backing.Device) (lim backing.Limits, err error) {
 // now issues exts, sorted and merged, at once. e.mu must be held; now
 // unlocks it.
 func (e *Engine) now(exts []Extent) error {
+	if len(exts) == 1 && exts[0].Len > 0 {
+		return e.one(exts[0])
+	}
 	devs := group(exts)
 	sts := make([]*device, len(devs))
 	for i, p := range devs {

@@ -276,20 +276,19 @@ func oneExtent(t *table.Table, off, n int64) (ext table.Extent, ok bool) {
 // the device knows of; the caller sends the pipe's contents as the read's
 // data. ok false means nothing moved and the range is to be read (Read,
 // ReadSparse), which also reports any error of the request itself. With
-// ok, an error is a read error at failed, and the pipe may hold part of
-// the range.
-func (m *Device) Splice(pipe int, off, n int64) (ok bool, failed int64, err error) {
+// ok, an error is a read error of the one extent, at off, and the pipe may
+// hold part of the range.
+func (m *Device) Splice(pipe int, off, n int64) (ok bool, err error) {
 	l, err := m.admit(off, n)
 	if err != nil {
-		return false, off, nil
+		return false, nil
 	}
 	defer m.exit()
 	ext, ok := oneExtent(l.t, off, n)
 	if !ok {
-		return false, off, nil
+		return false, nil
 	}
-	ok, err = backing.Splice(ext.Dev, pipe, ext.Off, int(n))
-	return ok, off, err
+	return backing.Splice(ext.Dev, pipe, ext.Off, int(n))
 }
 
 // Flush makes every write completed before the call durable.

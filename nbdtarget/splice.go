@@ -111,7 +111,8 @@ func (c *conn) spliceRead(j *job) (ok bool, err error) {
 			c.srv.pipes.drop(p)
 		}
 	}()
-	ok, j.errOff, err = c.x.Dev.Splice(p.w, int64(r.Offset), int64(r.Length))
+	ok, err = c.x.Dev.Splice(p.w, int64(r.Offset), int64(r.Length))
+	j.errOff = int64(r.Offset) // a single extent fails at its start
 	settled = true
 	switch {
 	case !ok:

@@ -2,6 +2,7 @@ package nbdtarget
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -129,6 +130,33 @@ func TestSplicedReads(t *testing.T) {
 	}
 	if made := pipesSettled(t, srv); made < 1 || made > maxPipes {
 		t.Fatalf("%d pipes made", made)
+	}
+	// Shutdown closes the pool's pipes once no connection is left.
+	c.nc.Close()
+	s.nc.Close()
+	if err := srv.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if made := pipesSettled(t, srv); made != 0 {
+		t.Fatalf("%d pipes open after Shutdown", made)
+	}
+}
+
+// With NoSplice every read goes through a buffer, with the same bytes.
+func TestNoSplice(t *testing.T) {
+	data := pattern(2<<20, 7)
+	srv := &Server{Exports: []*Export{newExport(t, "f", seg{len: 2 << 20, dev: fileDev(t, "f.img", data, 2<<20)})}, NoSplice: true}
+	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
+	c.connect("f", true, false)
+	c.request(cmdRead, 0, 1, 4096, spliceMax, nil)
+	if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], data[4096:4096+spliceMax]) {
+		t.Fatalf("read: chunk type %d, or other bytes", ch.typ)
+	}
+	if n := srv.Stats().Exports[0].ReadSplicedBytes; n != 0 {
+		t.Fatalf("%d bytes spliced with NoSplice", n)
+	}
+	if made := pipesSettled(t, srv); made != 0 {
+		t.Fatalf("%d pipes made with NoSplice", made)
 	}
 }
 
