@@ -367,13 +367,16 @@ func (s *Server) newConn(nc net.Conn) *conn {
 	if s.conns == nil {
 		s.conns = make(map[*conn]struct{})
 	}
+	raw := rawConn(nc)
+	sock := socketIO(nc, raw)
 	c := &conn{
-		srv: s,
-		nc:  nc,
-		raw: rawConn(nc),
-		br:  bufio.NewReaderSize(nc, 64<<10),
-		bw:  bufio.NewWriterSize(nc, 64<<10),
-		log: s.Logger.With("remote", nc.RemoteAddr().String()),
+		srv:  s,
+		nc:   nc,
+		raw:  raw,
+		sock: sock,
+		br:   bufio.NewReaderSize(sock, 64<<10),
+		bw:   bufio.NewWriterSize(sock, 64<<10),
+		log:  s.Logger.With("remote", nc.RemoteAddr().String()),
 	}
 	s.conns[c] = struct{}{}
 	s.connWG.Add(1)

@@ -281,7 +281,7 @@ func (c *conn) startTLS(data []byte) error {
 	if err := c.optReply(optStartTLS, repAck, nil); err != nil {
 		return err
 	}
-	tc := tls.Server(c.nc, c.srv.TLSConfig)
+	tc := tls.Server(c.sock, c.srv.TLSConfig)
 	if err := tc.Handshake(); err != nil {
 		return fmt.Errorf("TLS handshake: %w", err)
 	}

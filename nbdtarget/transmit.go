@@ -42,11 +42,12 @@ import (
 // taking requests while either is spent, which bounds memory per connection
 // and per server whatever the clients send.
 type conn struct {
-	srv *Server
-	nc  net.Conn
-	br  *bufio.Reader
-	bw  *bufio.Writer
-	log *slog.Logger
+	srv  *Server
+	nc   net.Conn
+	sock net.Conn // reads and writes nc, for br, bw and TLS (rawSocket)
+	br   *bufio.Reader
+	bw   *bufio.Writer
+	log  *slog.Logger
 
 	// Negotiated in the handshake.
 	noZeroes   bool

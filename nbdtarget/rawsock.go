@@ -1,0 +1,110 @@
+package nbdtarget
+
+import (
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// rawSocket is a connection whose reads and writes are system calls the
+// Go scheduler is not told about (RawSyscall), for the read and write
+// buffers and for TLS.
+//
+// The socket is non-blocking, as every socket in Go's network poller is,
+// so a read or write never blocks: when it cannot go on it returns EAGAIN,
+// and the goroutine waits in the poller (syscall.RawConn, under the
+// connection's deadlines) just as net.Conn's Read and Write wait. What
+// those add is the scheduler's entry and exit around each call, so that it
+// can hand the P to another thread if the call blocks. For a call that
+// cannot block that costs only time, and one thing more: entering a system
+// call wakes sysmon if it had gone to sleep because every P was idle, and
+// a woken sysmon polls every 20 µs while the server is busy. At queue depth
+// 1 the server goes idle between requests, so every request paid a wake-up
+// of sysmon and a run of its polls (docs/architecture.md, "System calls,
+// threads and io_uring"). Device calls, which can block (a page-cache miss,
+// dirty-page throttling, fdatasync), stay ordinary system calls.
+//
+// The race detector does not see the kernel fill a read buffer here, as it
+// does for syscall.Read; the buffers are the conn's own (bufio), used
+// under the read token and the write lock.
+type rawSocket struct {
+	net.Conn
+	rc syscall.RawConn
+}
+
+// socketIO returns what reads and writes nc for the connection: a
+// rawSocket when nc has a descriptor (unix and TCP sockets), else nc.
+func socketIO(nc net.Conn, rc syscall.RawConn) net.Conn {
+	if rc == nil {
+		return nc
+	}
+	return &rawSocket{Conn: nc, rc: rc}
+}
+
+func (s *rawSocket) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	var n int
+	var errno syscall.Errno
+	err := s.rc.Read(func(fd uintptr) bool {
+		for {
+			n, errno = rawIO(unix.SYS_READ, fd, p)
+			switch errno {
+			case unix.EINTR:
+				continue
+			case unix.EAGAIN:
+				return false // wait until the socket is readable
+			}
+			return true
+		}
+	})
+	switch {
+	case err != nil:
+		return 0, err
+	case errno != 0:
+		return 0, os.NewSyscallError("read", errno)
+	case n == 0:
+		return 0, io.EOF
+	}
+	return n, nil
+}
+
+func (s *rawSocket) Write(p []byte) (int, error) {
+	done := 0
+	var errno syscall.Errno
+	err := s.rc.Write(func(fd uintptr) bool {
+		for done < len(p) {
+			n, e := rawIO(unix.SYS_WRITE, fd, p[done:])
+			switch e {
+			case 0:
+				done += n
+				continue
+			case unix.EINTR:
+				continue
+			case unix.EAGAIN:
+				return false // wait until the socket has room
+			}
+			errno = e
+			return true
+		}
+		return true
+	})
+	switch {
+	case err != nil:
+		return done, err
+	case errno != 0:
+		return done, os.NewSyscallError("write", errno)
+	}
+	return done, nil
+}
+
+// rawIO is read(2) or write(2) (trap) of p on fd, p not empty.
+func rawIO(trap, fd uintptr, p []byte) (int, syscall.Errno) {
+	n, _, errno := unix.RawSyscall(trap, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+	return int(n), errno
+}

@@ -1,0 +1,135 @@
+package nbdtarget
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// rawSocketPair returns the server end of a unix socket connection as the
+// server reads and writes it (socketIO), and the client end.
+func rawSocketPair(t *testing.T) (*rawSocket, net.Conn) {
+	t.Helper()
+	l, err := net.Listen("unix", filepath.Join(t.TempDir(), "s"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	client, err := net.Dial("unix", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	server, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { server.Close() })
+	rs, ok := socketIO(server, rawConn(server)).(*rawSocket)
+	if !ok {
+		t.Fatal("a unix socket is not read through a rawSocket")
+	}
+	return rs, client
+}
+
+// TestRawSocket moves more than a socket buffer holds each way in pieces,
+// so that both directions wait in the poller (EAGAIN), and checks the ends
+// of a connection: a deadline, EOF, and a write to a closed peer.
+func TestRawSocket(t *testing.T) {
+	rs, client := rawSocketPair(t)
+	data := make([]byte, 8<<20)
+	for i := range data {
+		data[i] = byte(rand.Uint32())
+	}
+
+	// Server to client: the client reads slowly, in small pieces.
+	got := make(chan []byte)
+	go func() {
+		var b bytes.Buffer
+		piece := make([]byte, 4096)
+		for b.Len() < len(data) {
+			n, err := client.Read(piece)
+			if err != nil {
+				break
+			}
+			b.Write(piece[:n])
+		}
+		got <- b.Bytes()
+	}()
+	if n, err := rs.Write(data); err != nil || n != len(data) {
+		t.Fatalf("write: %d, %v", n, err)
+	}
+	if b := <-got; !bytes.Equal(b, data) {
+		t.Fatalf("client read %d bytes, not what was written", len(b))
+	}
+
+	// Client to server, in pieces of every size.
+	go func() {
+		for p := data; len(p) > 0; {
+			n := min(len(p), 1+rand.IntN(300<<10))
+			if _, err := client.Write(p[:n]); err != nil {
+				return
+			}
+			p = p[n:]
+		}
+	}()
+	in := make([]byte, len(data))
+	if _, err := io.ReadFull(rs, in); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(in, data) {
+		t.Fatal("server read other bytes than the client wrote")
+	}
+	if n, err := rs.Read(nil); n != 0 || err != nil {
+		t.Fatalf("empty read: %d, %v", n, err)
+	}
+
+	// Nothing to read before a deadline: the poller's deadline error.
+	rs.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+	if _, err := rs.Read(in); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("read past its deadline: %v", err)
+	}
+	rs.SetReadDeadline(time.Time{})
+
+	// The client leaves: EOF, then EPIPE (or a reset) for a write.
+	client.Close()
+	if n, err := rs.Read(in); n != 0 || err != io.EOF {
+		t.Fatalf("read after the peer closed: %d, %v", n, err)
+	}
+	var werr error
+	for range 100 { // the first writes may land in the buffer
+		if _, werr = rs.Write(data[:64<<10]); werr != nil {
+			break
+		}
+	}
+	if !errors.Is(werr, syscall.EPIPE) && !errors.Is(werr, syscall.ECONNRESET) {
+		t.Fatalf("write to a closed peer: %v", werr)
+	}
+
+	// Our own end closed: the poller's error.
+	rs.Close()
+	if _, err := rs.Read(in); !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("read of a closed socket: %v", err)
+	}
+	if _, err := rs.Write(in[:1]); !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("write to a closed socket: %v", err)
+	}
+}
+
+// TestSocketIOWithoutDescriptor: a connection with no descriptor (a
+// net.Pipe) is read and written as it is.
+func TestSocketIOWithoutDescriptor(t *testing.T) {
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	if got := socketIO(a, rawConn(a)); got != a {
+		t.Fatalf("socketIO(net.Pipe) = %T, want the pipe itself", got)
+	}
+}
