@@ -15,9 +15,9 @@
 # HOME, running as nobody when run as root (root's is /etc/pki/libnbd).
 #
 # STATES is "written sparse" by default: the state of the file each peer
-# starts from. written: every byte written (a copy of one random file made
-# at the start); sparse: a fresh file with no blocks at all, as a new VM
-# image is. Every peer gets its own fresh file in each state in each round,
+# starts from. written: every byte written (a synced copy of one random
+# file made at the start); sparse: a fresh file with no blocks at all, as a
+# new VM image is. Every peer gets its own fresh file in each state in each round,
 # so none inherits another's writes or trims. Reads run first, then writes,
 # then trims, so the read rows of a sparse file read holes.
 #
@@ -57,12 +57,14 @@ if [[ " $states " == *" written "* ]]; then
 fi
 sectors=$((size_mib * 2048))
 
-# fresh_disk STATE PEER: a new backing file for PEER in STATE; prints its path.
+# fresh_disk STATE PEER: a new backing file for PEER in STATE; prints its
+# path. A written copy is synced, so that its write-back does not run
+# under the peer's write and fsync rows.
 fresh_disk() {
 	local disk=$work/$2.img
 	rm -f "$disk"
 	case $1 in
-	written) cp "$template" "$disk" ;;
+	written) cp "$template" "$disk" && sync "$disk" ;;
 	sparse) truncate -s "${size_mib}M" "$disk" ;;
 	esac
 	echo "$disk"
