@@ -1,8 +1,10 @@
 package nbdtarget
 
 import (
+	"errors"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -30,11 +32,23 @@ type pipe struct{ r, w int }
 // pipePool lends pipes to spliced reads, making them as needed up to
 // maxPipes.
 type pipePool struct {
-	mu     sync.Mutex
-	free   []*pipe
-	made   int
-	broken bool // pipes cannot be made with room for spliceMax
+	mu      sync.Mutex
+	free    []*pipe
+	made    int
+	noRoom  time.Time             // when a pipe last could not get room for spliceMax
+	newPipe func() (*pipe, error) // makePipe, unless a test replaces it
 }
+
+// noRoomWait is how long the pool makes no pipe after one could not get
+// room for spliceMax, which happens when the user's pipe buffers are spent
+// (fs.pipe-user-pages-soft) or the limit on a pipe's size is lower
+// (fs.pipe-max-size): reads then go through buffers without paying for the
+// failed calls each time, and splice again once the pipes of other
+// processes may have gone. Free pipes are still lent.
+const noRoomWait = 10 * time.Second
+
+// errNoRoom says a pipe could not be given room for spliceMax.
+var errNoRoom = errors.New("no pipe with room for a spliced request")
 
 // get returns an empty pipe, or nil if none is free and no more can be made.
 func (pp *pipePool) get() *pipe {
@@ -45,23 +59,39 @@ func (pp *pipePool) get() *pipe {
 		pp.free = pp.free[:n-1]
 		return p
 	}
-	if pp.broken || pp.made >= maxPipes {
+	if pp.made >= maxPipes || !pp.noRoom.IsZero() && time.Since(pp.noRoom) < noRoomWait {
 		return nil
 	}
+	mk := makePipe
+	if pp.newPipe != nil {
+		mk = pp.newPipe
+	}
+	p, err := mk()
+	if err != nil {
+		if errors.Is(err, errNoRoom) {
+			pp.noRoom = time.Now()
+		}
+		return nil // or out of descriptors, for now
+	}
+	pp.noRoom = time.Time{}
+	pp.made++
+	return p
+}
+
+// makePipe makes a pipe with room for spliceMax. It is non-blocking, so
+// that a pipe that is not empty when it should be fails the splice
+// (EAGAIN) instead of blocking it.
+func makePipe() (*pipe, error) {
 	var fds [2]int
-	// Non-blocking, so that a pipe that is not empty when it should be
-	// fails the splice (EAGAIN) instead of blocking it.
 	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
-		return nil // out of descriptors, for now
+		return nil, err
 	}
 	if room, err := unix.FcntlInt(uintptr(fds[1]), unix.F_SETPIPE_SZ, spliceMax); err != nil || room < spliceMax {
 		unix.Close(fds[0])
 		unix.Close(fds[1])
-		pp.broken = true
-		return nil
+		return nil, errNoRoom
 	}
-	pp.made++
-	return &pipe{r: fds[0], w: fds[1]}
+	return &pipe{r: fds[0], w: fds[1]}, nil
 }
 
 // put returns an empty pipe to the pool.

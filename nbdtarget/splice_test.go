@@ -247,3 +247,47 @@ func TestSplicePanic(t *testing.T) {
 		t.Fatalf("read after the panic: chunk type %d, or other bytes", ch.typ)
 	}
 }
+
+// TestPipePoolNoRoom: a pipe that cannot get room for spliceMax stops the
+// pool making pipes for noRoomWait, not for good, and free pipes are lent
+// all along; running out of descriptors stops nothing.
+func TestPipePoolNoRoom(t *testing.T) {
+	var pp pipePool
+	defer pp.close()
+	spare := pp.get()
+	if spare == nil {
+		t.Fatal("the pool made no pipe")
+	}
+	tries := 0
+	fail := func(err error) func() (*pipe, error) {
+		return func() (*pipe, error) { tries++; return nil, err }
+	}
+
+	pp.newPipe = fail(syscall.EMFILE)
+	if pp.get() != nil || pp.get() != nil || tries != 2 {
+		t.Fatalf("out of descriptors: %d tries for two gets, want 2 and no pipe", tries)
+	}
+
+	tries = 0
+	pp.newPipe = fail(errNoRoom)
+	if pp.get() != nil || pp.get() != nil || tries != 1 {
+		t.Fatalf("no room: %d tries for two gets, want 1 and no pipe", tries)
+	}
+	pp.put(spare)
+	if p := pp.get(); p != spare {
+		t.Fatal("a free pipe was not lent while no new one could be made")
+	}
+
+	// noRoomWait later, the pool makes pipes again.
+	pp.newPipe = nil
+	pp.noRoom = time.Now().Add(-noRoomWait)
+	p := pp.get()
+	if p == nil {
+		t.Fatal("no pipe made after noRoomWait")
+	}
+	if !pp.noRoom.IsZero() {
+		t.Fatal("a pipe was made and the pool still counts from its failure")
+	}
+	pp.put(p)
+	pp.put(spare)
+}
