@@ -22,11 +22,11 @@ import (
 // can hand the P to another thread if the call blocks. For a call that
 // cannot block that costs only time, and one thing more: entering a system
 // call wakes sysmon if it had gone to sleep because every P was idle, and
-// a woken sysmon polls every 20 µs while the server is busy. At queue depth
-// 1 the server goes idle between requests, so every request paid a wake-up
-// of sysmon and a run of its polls (docs/architecture.md, "System calls,
-// threads and io_uring"). Device calls, which can block (a page-cache miss,
-// dirty-page throttling, fdatasync), stay ordinary system calls.
+// a woken sysmon polls every 20 µs while the server is busy; at queue depth
+// 1 the server goes idle between requests (docs/architecture.md, "System
+// calls, threads and io_uring", has what this saves). Device calls, which
+// can block (a page-cache miss, dirty-page throttling, fdatasync), stay
+// ordinary system calls.
 //
 // The race detector does not see the kernel fill a read buffer here, as it
 // does for syscall.Read; the buffers are the conn's own (bufio), used
