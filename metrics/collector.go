@@ -95,6 +95,9 @@ var (
 	descReadSplicedBytes = desc("nbdmapper_read_spliced_bytes_total",
 		"Bytes of reads sent by splice(2), from the page cache to the socket without a copy in the server, by export.",
 		"export")
+	descSerialRequests = desc("nbdmapper_serial_requests_total",
+		"Requests run in serial mode, for clients that wait for each reply and flush: read and run by one goroutine with none reading ahead, by export.",
+		"export")
 
 	// Flush engine.
 	descFlushes = desc("nbdmapper_flushes_total",
@@ -299,7 +302,7 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 		descConnections, descConnectionsTotal, descConnectionsOpen,
 		descConnectionsRefused, descHandshakeTimeouts, descReplyTimeouts, descAcceptRetries,
 		descPanics, descMemoryInUse, descMemoryLimit, descMemoryWaits,
-		descReadChunks, descReadHoleBytes, descReadSplicedBytes, descHoleLookups, descHoleRefused, descHoleKnown, descHoleSlots,
+		descReadChunks, descReadHoleBytes, descReadSplicedBytes, descSerialRequests, descHoleLookups, descHoleRefused, descHoleKnown, descHoleSlots,
 		descFlushes, descDeviceFlushes, descDeviceSyncs, descDeviceSkipped,
 		descDeviceCoalesced, descDeviceSyncErrors, descDeviceDirty, descDeviceFailed,
 		descDiscardRangesIn, descDiscardBytesIn, descDiscardCalls,
@@ -418,6 +421,7 @@ func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.
 		counter(ch, descReadChunks, uint64(x.ReadHoleChunks), x.Name, "hole")
 		counter(ch, descReadHoleBytes, uint64(x.ReadHoleBytes), x.Name)
 		counter(ch, descReadSplicedBytes, uint64(x.ReadSplicedBytes), x.Name)
+		counter(ch, descSerialRequests, uint64(x.SerialRequests), x.Name)
 		for _, name := range nbdtarget.Ops {
 			op := x.Ops[name]
 			counter(ch, descRequests, uint64(op.Requests), x.Name, name)

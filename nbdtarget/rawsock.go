@@ -4,7 +4,9 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -31,10 +33,26 @@ import (
 // The race detector does not see the kernel fill a read buffer here, as it
 // does for syscall.Read; the buffers are the conn's own (bufio), used
 // under the read token and the write lock.
+//
+// A read that finds the socket empty is counted (waits). While linger is
+// set, such a read first waits for the socket in poll(2) on its own
+// thread, up to lingerTime, and only then in the network poller: the
+// reader of a connection whose client waits for each reply (conn.serial)
+// then takes the next request as a thread-per-connection server takes it
+// from recv(2), woken by the socket itself, with no wake-up through
+// epoll_wait and the scheduler, and with its P busy in the call, so sysmon
+// does not go to sleep between requests only to be woken by the next
+// device call. poll(2) is an ordinary system call: if anything else needs
+// the P, sysmon hands it on after 20 µs, as for any blocking call.
 type rawSocket struct {
 	net.Conn
-	rc syscall.RawConn
+	rc     syscall.RawConn
+	linger atomic.Bool
+	waits  atomic.Uint64
 }
+
+// lingerTime is the longest a lingering read waits on its thread.
+const lingerTime = time.Millisecond
 
 // socketIO returns what reads and writes nc for the connection: a
 // rawSocket when nc has a descriptor (unix and TCP sockets), else nc.
@@ -51,6 +69,7 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 	}
 	var n int
 	var errno syscall.Errno
+	waited := false
 	err := s.rc.Read(func(fd uintptr) bool {
 		for {
 			n, errno = rawIO(unix.SYS_READ, fd, p)
@@ -58,7 +77,14 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 			case unix.EINTR:
 				continue
 			case unix.EAGAIN:
-				return false // wait until the socket is readable
+				if !waited {
+					waited = true
+					s.waits.Add(1)
+					if s.linger.Load() && readable(fd, lingerTime) {
+						continue
+					}
+				}
+				return false // wait in the poller until the socket is readable
 			}
 			return true
 		}
@@ -107,4 +133,12 @@ func (s *rawSocket) Write(p []byte) (int, error) {
 func rawIO(trap, fd uintptr, p []byte) (int, syscall.Errno) {
 	n, _, errno := unix.RawSyscall(trap, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
 	return int(n), errno
+}
+
+// readable waits up to d in poll(2) for fd to be readable (or closed by the
+// peer, or in error: the read that follows says which).
+func readable(fd uintptr, d time.Duration) bool {
+	fds := [1]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds[:], int(d/time.Millisecond))
+	return err == nil && n > 0
 }

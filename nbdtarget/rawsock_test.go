@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // rawSocketPair returns the server end of a unix socket connection as the
@@ -131,5 +133,67 @@ func TestSocketIOWithoutDescriptor(t *testing.T) {
 	defer b.Close()
 	if got := socketIO(a, rawConn(a)); got != a {
 		t.Fatalf("socketIO(net.Pipe) = %T, want the pipe itself", got)
+	}
+}
+
+// A lingering read (rawSocket.linger) that finds the socket empty waits on
+// its thread and then in the poller: it returns what arrives meanwhile,
+// keeps the connection's read deadline and sees the peer's close. Each
+// read that finds the socket empty is counted once; one that finds data is
+// not.
+func TestRawSocketLinger(t *testing.T) {
+	rs, client := rawSocketPair(t)
+	rs.linger.Store(true)
+	buf := make([]byte, 16)
+	read := func() <-chan string {
+		got := make(chan string, 1)
+		go func() {
+			n, err := rs.Read(buf)
+			if err != nil {
+				got <- err.Error()
+				return
+			}
+			got <- string(buf[:n])
+		}()
+		return got
+	}
+	waits := func(want uint64) {
+		t.Helper()
+		nbdtest.Until(t, "the read to find the socket empty", func() bool { return rs.waits.Load() == want })
+	}
+
+	if _, err := client.Write([]byte("a")); err != nil {
+		t.Fatal(err)
+	}
+	if got := nbdtest.Recv(t, read(), "a read of buffered data"); got != "a" {
+		t.Fatalf("read %q, want a", got)
+	}
+	if n := rs.waits.Load(); n != 0 {
+		t.Fatalf("a read that found data counted %d waits", n)
+	}
+
+	rs.SetReadDeadline(time.Now().Add(20 * lingerTime))
+	if _, err := rs.Read(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("read of an empty socket past its deadline: %v", err)
+	}
+	if n := rs.waits.Load(); n != 1 {
+		t.Fatalf("%d waits counted for one read, want 1", n)
+	}
+	rs.SetReadDeadline(time.Time{})
+
+	got := read()
+	waits(2)
+	if _, err := client.Write([]byte("bc")); err != nil {
+		t.Fatal(err)
+	}
+	if g := nbdtest.Recv(t, got, "the waiting read"); g != "bc" {
+		t.Fatalf("read %q, want bc", g)
+	}
+
+	got = read()
+	waits(3)
+	client.Close()
+	if g := nbdtest.Recv(t, got, "the waiting read"); g != io.EOF.Error() {
+		t.Fatalf("read after the peer closed: %q, want EOF", g)
 	}
 }

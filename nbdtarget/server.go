@@ -485,6 +485,11 @@ type ExportStats struct {
 	// ReadSplicedBytes is the bytes of reads sent by splice(2), from the
 	// page cache to the socket without a copy in between.
 	ReadSplicedBytes int64
+
+	// SerialRequests counts requests run in serial mode: read and run by
+	// one goroutine, with no other reading ahead, for a client that waits
+	// for each reply and flushes (conn).
+	SerialRequests int64
 }
 
 // OpStats counts completed requests of one op (see Ops).
@@ -540,6 +545,7 @@ type exportStats struct {
 	readChunks                  [2]atomic.Int64 // OFFSET_DATA, OFFSET_HOLE
 	readHoleBytes               atomic.Int64
 	splicedBytes                atomic.Int64
+	serial                      atomic.Int64
 }
 
 // Stats returns a snapshot of the counters. Counters are read one by one,
@@ -574,6 +580,7 @@ func (s *Server) Stats() Stats {
 			ReadHoleChunks:   st.readChunks[1].Load(),
 			ReadHoleBytes:    st.readHoleBytes.Load(),
 			ReadSplicedBytes: st.splicedBytes.Load(),
+			SerialRequests:   st.serial.Load(),
 		}
 		for i := range st.ops {
 			oc := &st.ops[i]

@@ -36,6 +36,19 @@ import (
 //	g3:                   read 3 | run flush 3 ..... reply 3
 //	g2:                                    read 4 | ...
 //
+// A client that waits for each reply before it sends the next request and
+// flushes (queue depth 1: fio's --fsync=1, a database's write and fsync)
+// gains nothing from a goroutine reading ahead: nothing arrives while its
+// request runs. It costs, though: the goroutine woken to read becomes
+// runnable just as the request enters its blocking device call (fdatasync),
+// so the scheduler hands the call's P to another thread to run a read that
+// finds nothing. Such a connection is served in serial mode (see serial):
+// the reader keeps the token through its own request and reads the next
+// one itself, lingering for it on its thread (rawSocket). A request that
+// runs longer than handOverAfter hands the token on (handTokenOn), so one
+// sent meanwhile waits at most that long to be read, and a request found
+// already waiting ends serial mode.
+//
 // At most MaxInFlight goroutines exist per connection. Every request is
 // charged its memory (cost) before it is read any further, against the
 // connection's MaxInFlightBytes and the server's Memory; the reader stops
@@ -63,12 +76,16 @@ type conn struct {
 	x  *Export
 	st *exportStats
 
-	rmu      sync.Mutex   // the read token: held while decoding a request
-	readDone bool         // the stream has ended (DISC, EOF, broken, Shutdown); under rmu
-	workers  int          // goroutines in the pool; under rmu
-	waiting  atomic.Int32 // goroutines waiting for the read token
-	pool     sync.WaitGroup
-	mem      *semaphore.Weighted // MaxInFlightBytes
+	rmu        sync.Mutex   // the read token: held while decoding a request
+	readDone   bool         // the stream has ended (DISC, EOF, broken, Shutdown); under rmu
+	workers    int          // goroutines in the pool; under rmu
+	waiting    atomic.Int32 // goroutines waiting for the read token
+	running    atomic.Int32 // requests read and not yet answered (account)
+	serialN    int          // requests in a row fit for serial mode; under rmu
+	sinceFlush int          // requests read since the last flush; under rmu
+	handOver   *time.Timer  // hands the token on for a long serial request
+	pool       sync.WaitGroup
+	mem        *semaphore.Weighted // MaxInFlightBytes
 
 	wmu     sync.Mutex
 	pending atomic.Int32 // replies waiting for or holding wmu
@@ -161,6 +178,7 @@ func (c *conn) stopReading() {
 // Shutdown, waits for outstanding requests and flushes their replies.
 func (c *conn) transmit() {
 	c.mem = semaphore.NewWeighted(c.srv.maxInFlightBytes())
+	c.sinceFlush = flushWindow // no flush yet
 	c.workers = 1
 	c.pool.Add(1)
 	c.work()
@@ -172,40 +190,127 @@ func (c *conn) transmit() {
 // work is one goroutine of the pool: take the token, read a request, run it.
 func (c *conn) work() {
 	defer c.pool.Done()
+	held := false
 	for {
-		j := c.next()
+		j, serial := c.next(held)
 		if j == nil {
 			return
 		}
 		c.handle(j)
+		// Still ours unless handOver has fired and given it up.
+		held = serial && c.handOver.Stop()
 	}
 }
 
-// next reads the next request while holding the read token, or returns nil
-// once the stream has ended. Before it gives the token up it starts another
-// goroutine if none is waiting for the token, so the request after this one
-// is read while this one runs.
-func (c *conn) next() *job {
-	c.waiting.Add(1)
-	c.rmu.Lock()
-	c.waiting.Add(-1)
-	defer c.rmu.Unlock()
-	if c.readDone {
-		return nil
+// next reads the next request while holding the read token (taking it
+// first unless held), or returns nil once the stream has ended. Before it
+// gives the token up it starts another goroutine if none is waiting for
+// the token, so the request after this one is read while this one runs. In
+// serial mode it keeps the token instead, with handOver armed, and says so.
+func (c *conn) next(held bool) (j *job, serial bool) {
+	if !held {
+		c.waiting.Add(1)
+		c.rmu.Lock()
+		c.waiting.Add(-1)
 	}
-	j := c.read()
+	if c.readDone {
+		c.rmu.Unlock()
+		return nil, false
+	}
+	waits := c.socketWaits()
+	j = c.read()
 	if j == nil {
 		c.readDone = true
 		c.queued.Store(false) // the replies still to come flush themselves
-		return nil
+		c.rmu.Unlock()
+		return nil, false
 	}
 	c.st.inFlight.Add(1)
+	if c.serial(waits, &j.req) {
+		c.st.serial.Add(1)
+		c.handOver.Reset(handOverAfter)
+		return j, true
+	}
+	c.readAhead()
+	c.rmu.Unlock()
+	return j, false
+}
+
+// readAhead starts another goroutine of the pool if none is waiting for
+// the read token. The caller holds the token.
+func (c *conn) readAhead() {
 	if c.waiting.Load() == 0 && c.workers < c.srv.maxInFlight() {
 		c.workers++
 		c.pool.Add(1)
 		go c.work()
 	}
-	return j
+}
+
+// Serial mode (see conn).
+const (
+	// serialAfter is how many requests in a row must each have come alone
+	// to a waiting reader before serial mode starts.
+	serialAfter = 3
+	// handOverAfter is how long a request in serial mode runs before its
+	// goroutine gives the read token up, as in the ordinary mode.
+	handOverAfter = time.Millisecond
+	// flushWindow: serial mode holds while one of the last flushWindow
+	// requests was a flush.
+	flushWindow = 8
+)
+
+// socketWaits is how many reads of the socket have found it empty so far.
+func (c *conn) socketWaits() uint64 {
+	if rs, ok := c.sock.(*rawSocket); ok {
+		return rs.waits.Load()
+	}
+	return 0
+}
+
+// serial reports whether r, just read, is to be run in serial mode, given
+// the socket's waits before it was read; it counts r in running. A request
+// fits when the reader had to wait for it (the client sent it after the
+// last reply, not with it), nothing else of the connection was in flight
+// and no other request is buffered behind it. Serial mode starts at the
+// serialAfter'th fitting request in a row and holds while one of the last
+// flushWindow requests was a flush: without flushes, the device calls do
+// not block long enough for a woken reader to cost more than lingering
+// does (fio's 4k reads at queue depth 1 lost 16-20% in serial mode;
+// docs/architecture.md). The caller holds the token.
+func (c *conn) serial(waits uint64, r *request) bool {
+	alone := c.running.Add(1) == 1
+	rs, ok := c.sock.(*rawSocket)
+	if !ok {
+		return false // no socket to linger on (net.Pipe)
+	}
+	if alone && !c.queued.Load() && rs.waits.Load() != waits {
+		c.serialN++
+	} else {
+		c.serialN = 0
+	}
+	if r.Type == cmdFlush {
+		c.sinceFlush = 0
+	} else if c.sinceFlush < flushWindow {
+		c.sinceFlush++
+	}
+	on := c.serialN >= serialAfter && c.sinceFlush < flushWindow
+	if on && c.handOver == nil {
+		c.handOver = time.AfterFunc(time.Hour, c.handTokenOn)
+		c.handOver.Stop()
+	}
+	rs.linger.Store(on)
+	return on
+}
+
+// handTokenOn runs when a request in serial mode has run for
+// handOverAfter: it ends serial mode and gives the read token up on the
+// request's behalf, as next does in the ordinary mode, so that a request
+// sent meanwhile is read and runs beside it.
+func (c *conn) handTokenOn() {
+	c.serialN = 0
+	c.sock.(*rawSocket).linger.Store(false)
+	c.readAhead()
+	c.rmu.Unlock()
 }
 
 // read decodes one request and its payload; nil means the stream ended.
@@ -409,6 +514,7 @@ func (c *conn) account(j *job) {
 		op.errors[errnoIndex(j.errno)].Add(1)
 	}
 	c.st.inFlight.Add(-1)
+	c.running.Add(-1)
 	if obs := c.srv.Observe; obs != nil {
 		obs(c.x.Name, Ops[opIndex(r.Type)], n, j.errno, d)
 	}

@@ -1,0 +1,172 @@
+package nbdtarget
+
+import (
+	"bytes"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+)
+
+// syncGate blocks Sync while armed until released.
+type syncGate struct {
+	backing.Device
+	armed   atomic.Bool
+	entered chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (g *syncGate) Sync() error {
+	if g.armed.Load() {
+		g.once.Do(func() { close(g.entered) })
+		<-g.release
+	}
+	return g.Device.Sync()
+}
+
+// serialFix serves one export on a syncGate'd device to a raw client.
+type serialFix struct {
+	t      *testing.T
+	srv    *Server
+	gate   *syncGate
+	c      *rawClient
+	h      uint64
+	waited uint64 // the server socket's waits at the last send
+	open   func() // releases the gate's Syncs
+}
+
+func newSerialFix(t *testing.T) *serialFix {
+	g := &syncGate{Device: backing.NewMem("s", 64*kb), entered: make(chan struct{}), release: make(chan struct{})}
+	var once sync.Once
+	open := func() { once.Do(func() { close(g.release) }) }
+	t.Cleanup(open) // before Shutdown waits for a gated flush
+	srv := &Server{Exports: []*Export{newExport(t, "t", seg{len: 64 * kb, dev: g})}}
+	f := &serialFix{t: t, srv: srv, gate: g, open: open, c: dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))}
+	f.c.connect("t", false, false)
+	return f
+}
+
+func (f *serialFix) serialRequests() int64 { return f.srv.Stats().Exports[0].SerialRequests }
+
+// waits is how often the server's end of the connection found it empty.
+func (f *serialFix) waits() uint64 {
+	f.srv.mu.Lock()
+	defer f.srv.mu.Unlock()
+	for c := range f.srv.conns {
+		return c.sock.(*rawSocket).waits.Load()
+	}
+	f.t.Fatal("no connection")
+	return 0
+}
+
+// encode returns a write of 4 KiB or a flush, with the next handle.
+func (f *serialFix) encode(typ uint16) []byte {
+	f.h++
+	if typ == cmdWrite {
+		b := encodeRequest(nil, request{Type: cmdWrite, Handle: f.h, Length: 4096})
+		return append(b, bytes.Repeat([]byte{byte(f.h)}, 4096)...)
+	}
+	return encodeRequest(nil, request{Type: typ, Handle: f.h})
+}
+
+// send sends a request once the server's reader waits for it, as it does
+// for a client at queue depth 1, and returns its handle.
+func (f *serialFix) send(typ uint16) uint64 {
+	f.t.Helper()
+	nbdtest.Until(f.t, "the server to wait for the next request", func() bool { return f.waits() > f.waited })
+	f.waited = f.waits()
+	f.c.write(f.encode(typ))
+	return f.h
+}
+
+// answered reads one simple reply and checks it is handle's, without error.
+func (f *serialFix) answered(t *testing.T, handle uint64) {
+	t.Helper()
+	if h, e, _ := f.c.simple(0); h != handle || e != 0 {
+		t.Fatalf("reply: handle %d errno %d, want handle %d without error", h, e, handle)
+	}
+}
+
+// roundTrip sends a request and waits for its reply, as a client at queue
+// depth 1 does.
+func (f *serialFix) roundTrip(t *testing.T, typ uint16) {
+	t.Helper()
+	f.answered(t, f.send(typ))
+}
+
+// A client that writes and flushes one request at a time, as fio's
+// --fsync=1 does, is served in serial mode from its third request; a
+// request it sends while a serial flush blocks is still read and answered
+// before the flush ends (the flush hands reading on), and that ends serial
+// mode until the client again waits for each reply.
+func TestSerialMode(t *testing.T) {
+	f := newSerialFix(t)
+	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, cmdFlush)
+	if n := f.serialRequests(); n != 0 {
+		t.Fatalf("%d requests serial after two: want none before the third", n)
+	}
+	for range 3 {
+		f.roundTrip(t, cmdWrite)
+		f.roundTrip(t, cmdFlush)
+	}
+	if n := f.serialRequests(); n != 6 {
+		t.Fatalf("%d of the 6 requests from the third on ran serially", n)
+	}
+
+	f.roundTrip(t, cmdWrite)
+	f.gate.armed.Store(true)
+	flush := f.send(cmdFlush)
+	nbdtest.Recv(t, f.gate.entered, "the flush to reach its device")
+	if n := f.serialRequests(); n != 8 {
+		t.Fatalf("the gated flush did not run serially (%d serial requests, want 8)", n)
+	}
+	f.roundTrip(t, cmdWrite) // answered while the flush is blocked
+	f.open()
+	f.answered(t, flush)
+	if n := f.serialRequests(); n != 8 {
+		t.Fatalf("the write sent beside the flush ran serially (%d serial requests, want 8)", n)
+	}
+
+	// Back to one at a time: serial again from the third.
+	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, cmdFlush)
+	f.roundTrip(t, cmdWrite)
+	if n := f.serialRequests(); n != 9 {
+		t.Fatalf("%d serial requests after three more one at a time, want 9", n)
+	}
+}
+
+// Serial mode needs both: a client that waits for each reply, and flushes.
+func TestSerialModeNeeds(t *testing.T) {
+	t.Run("no flushes", func(t *testing.T) {
+		f := newSerialFix(t)
+		for range 12 {
+			f.roundTrip(t, cmdWrite)
+		}
+		if n := f.serialRequests(); n != 0 {
+			t.Fatalf("%d writes without flushes ran serially", n)
+		}
+	})
+	t.Run("pipelined", func(t *testing.T) {
+		f := newSerialFix(t)
+		for range 6 {
+			w, fl := f.encode(cmdWrite), f.encode(cmdFlush)
+			f.c.write(append(w, fl...))
+			got := map[uint64]bool{}
+			for range 2 {
+				h, e, _ := f.c.simple(0)
+				if e != 0 || h+1 < f.h || h > f.h || got[h] {
+					t.Fatalf("reply: handle %d errno %d, want %d and %d once each", h, e, f.h-1, f.h)
+				}
+				got[h] = true
+			}
+		}
+		if n := f.serialRequests(); n != 0 {
+			t.Fatalf("%d requests sent two at a time ran serially", n)
+		}
+	})
+}
