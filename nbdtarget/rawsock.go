@@ -35,10 +35,11 @@ import (
 // under the read token and the write lock.
 //
 // A read that finds the socket empty is counted (waits). While linger is
-// set, such a read first waits for the socket in poll(2) on its own
-// thread, up to lingerTime, and only then in the network poller: the
-// reader of a connection whose client waits for each reply (conn.serial)
-// then takes the next request as a thread-per-connection server takes it
+// set (a duration: conn.serial sets lingerTime), such a read first waits
+// for the socket in poll(2) on its own thread, up to that long and
+// without looking at the deadline, and only then in the network poller,
+// under the deadline. The reader of a connection whose client waits for
+// each reply (conn.serial) then takes the next request as a thread-per-connection server takes it
 // from recv(2), woken by the socket itself, with no wake-up through
 // epoll_wait and the scheduler, and with its P busy in the call, so sysmon
 // does not go to sleep between requests only to be woken by the next
@@ -47,7 +48,7 @@ import (
 type rawSocket struct {
 	net.Conn
 	rc     syscall.RawConn
-	linger atomic.Bool
+	linger atomic.Int64 // a time.Duration; 0: wait in the poller at once
 	waits  atomic.Uint64
 }
 
@@ -80,7 +81,7 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 				if !waited {
 					waited = true
 					s.waits.Add(1)
-					if s.linger.Load() && readable(fd, lingerTime) {
+					if d := time.Duration(s.linger.Load()); d > 0 && readable(fd, d) {
 						continue
 					}
 				}

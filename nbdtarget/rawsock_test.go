@@ -143,7 +143,7 @@ func TestSocketIOWithoutDescriptor(t *testing.T) {
 // not.
 func TestRawSocketLinger(t *testing.T) {
 	rs, client := rawSocketPair(t)
-	rs.linger.Store(true)
+	rs.linger.Store(int64(lingerTime))
 	buf := make([]byte, 16)
 	read := func() <-chan string {
 		got := make(chan string, 1)
@@ -195,5 +195,33 @@ func TestRawSocketLinger(t *testing.T) {
 	client.Close()
 	if g := nbdtest.Recv(t, got, "the waiting read"); g != io.EOF.Error() {
 		t.Fatalf("read after the peer closed: %q, want EOF", g)
+	}
+}
+
+// A lingering read waits on its own thread, where the poller's deadline is
+// not looked at: one that lingers longer than its deadline still returns
+// what arrives after the deadline, where a read that waits in the poller
+// would have failed at it.
+func TestRawSocketLingersOnItsThread(t *testing.T) {
+	rs, client := rawSocketPair(t)
+	rs.linger.Store(int64(nbdtest.Bound))
+	rs.SetReadDeadline(time.Now().Add(5 * time.Millisecond))
+	got := make(chan string, 1)
+	go func() {
+		buf := make([]byte, 16)
+		n, err := rs.Read(buf)
+		if err != nil {
+			got <- err.Error()
+			return
+		}
+		got <- string(buf[:n])
+	}()
+	nbdtest.Until(t, "the read to find the socket empty", func() bool { return rs.waits.Load() == 1 })
+	time.Sleep(50 * time.Millisecond) // past the deadline: only a read still in poll(2) can take what comes now
+	if _, err := client.Write([]byte("late")); err != nil {
+		t.Fatal(err)
+	}
+	if g := nbdtest.Recv(t, got, "the lingering read"); g != "late" {
+		t.Fatalf("lingering read: %q, want late (it did not wait on its thread)", g)
 	}
 }

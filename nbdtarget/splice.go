@@ -59,7 +59,7 @@ func (pp *pipePool) get() *pipe {
 		pp.free = pp.free[:n-1]
 		return p
 	}
-	if pp.made >= maxPipes || !pp.noRoom.IsZero() && time.Since(pp.noRoom) < noRoomWait {
+	if pp.made >= maxPipes || time.Since(pp.noRoom) < noRoomWait {
 		return nil
 	}
 	mk := makePipe

@@ -226,7 +226,8 @@ func (c *conn) next(held bool) (j *job, serial bool) {
 		return nil, false
 	}
 	c.st.inFlight.Add(1)
-	if c.serial(waits, &j.req) {
+	alone := c.running.Add(1) == 1
+	if c.serial(alone, waits, &j.req) {
 		c.st.serial.Add(1)
 		c.handOver.Reset(handOverAfter)
 		return j, true
@@ -268,17 +269,16 @@ func (c *conn) socketWaits() uint64 {
 }
 
 // serial reports whether r, just read, is to be run in serial mode, given
-// the socket's waits before it was read; it counts r in running. A request
-// fits when the reader had to wait for it (the client sent it after the
-// last reply, not with it), nothing else of the connection was in flight
-// and no other request is buffered behind it. Serial mode starts at the
+// whether it is alone in flight and the socket's waits before it was read.
+// A request fits when the reader had to wait for it (the client sent it
+// after the last reply, not with it), nothing else of the connection was
+// in flight and no other request is buffered behind it. Serial mode starts at the
 // serialAfter'th fitting request in a row and holds while one of the last
 // flushWindow requests was a flush: without flushes, the device calls do
 // not block long enough for a woken reader to cost more than lingering
 // does (fio's 4k reads at queue depth 1 lost 16-20% in serial mode;
 // docs/architecture.md). The caller holds the token.
-func (c *conn) serial(waits uint64, r *request) bool {
-	alone := c.running.Add(1) == 1
+func (c *conn) serial(alone bool, waits uint64, r *request) bool {
 	rs, ok := c.sock.(*rawSocket)
 	if !ok {
 		return false // no socket to linger on (net.Pipe)
@@ -298,7 +298,11 @@ func (c *conn) serial(waits uint64, r *request) bool {
 		c.handOver = time.AfterFunc(time.Hour, c.handTokenOn)
 		c.handOver.Stop()
 	}
-	rs.linger.Store(on)
+	linger := time.Duration(0)
+	if on {
+		linger = lingerTime
+	}
+	rs.linger.Store(int64(linger))
 	return on
 }
 
@@ -308,7 +312,7 @@ func (c *conn) serial(waits uint64, r *request) bool {
 // sent meanwhile is read and runs beside it.
 func (c *conn) handTokenOn() {
 	c.serialN = 0
-	c.sock.(*rawSocket).linger.Store(false)
+	c.sock.(*rawSocket).linger.Store(0)
 	c.readAhead()
 	c.rmu.Unlock()
 }
