@@ -10,7 +10,8 @@
 #          ./nbdmapper-old ./nbdmapper-new nbdkit
 #
 # Each nbdmapper serves a one-line linear table over a 1 GiB file on a unix
-# socket (EXTRA="--procs=2" adds flags to every one); fio's nbd engine runs
+# socket (EXTRA="--procs=2" adds flags to every one; STATE=sparse serves a
+# fresh sparse file instead of the written one); fio's nbd engine runs
 # RUNTIME seconds (default 5). Prints each run, then per binary the median
 # IOPS, MiB/s and server CPU (user + system, from /proc) per request in µs.
 # Results land in bench/results/.
@@ -28,12 +29,18 @@ done
 . bench/lib.sh
 bench_setup builds fio nbdkit python3
 bench_machine | tee "$out/machine.md"
+echo "file: ${STATE:-written}" | tee -a "$out/machine.md"
 dd if=/dev/urandom of="$work/written.img" bs=1M count=1024 status=none
 sock=$work/s
 for round in $(seq "$rounds"); do
 	for i in "${!bins[@]}"; do
 		b=${bins[$i]}
-		cp "$work/written.img" "$work/d.img"
+		rm -f "$work/d.img"
+		if [ "${STATE:-written}" = sparse ]; then
+			truncate -s 1G "$work/d.img"
+		else
+			cp "$work/written.img" "$work/d.img"
+		fi
 		sync "$work/d.img"
 		echo "0 2097152 linear $work/d.img 0" >"$work/t"
 		rm -f "$sock"
