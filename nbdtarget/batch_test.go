@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
@@ -151,6 +152,69 @@ func TestOnActive(t *testing.T) {
 	got(1, 2, 1)
 	b.request(cmdDisc, 0, 0, 0, 0, nil)
 	got(1, 2, 1, 0)
+}
+
+// A connection streaming large writes counts twice in OnActive, from its
+// bulkScore'th large write in a row, until as many other reads and
+// writes have brought its score back down; flushes do not count, and
+// a streaming connection that ends is counted out twice.
+func TestOnActiveStreaming(t *testing.T) {
+	const mb = 1 << 20
+	var mu sync.Mutex
+	var seen []int
+	srv := &Server{
+		Exports:  []*Export{newExport(t, "s", seg{len: mb, dev: backing.NewMem("s", mb)})},
+		OnActive: func(n int) { mu.Lock(); seen = append(seen, n); mu.Unlock() },
+	}
+	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
+	c.connect("s", false, false)
+	h := uint64(0)
+	send := func(typ uint16, n, times int) {
+		t.Helper()
+		for range times {
+			h++
+			var payload []byte
+			data := 0
+			switch typ {
+			case cmdWrite:
+				payload = make([]byte, n)
+			case cmdRead:
+				data = n
+			}
+			c.request(typ, 0, h, 0, uint32(n), payload)
+			if got, errno, _ := c.simple(data); got != h || errno != 0 {
+				t.Fatalf("request %d: reply %d, errno %d", h, got, errno)
+			}
+		}
+	}
+	calls := func(want ...int) {
+		t.Helper()
+		mu.Lock()
+		defer mu.Unlock()
+		if !slices.Equal(seen, want) {
+			t.Fatalf("OnActive calls %v, want %v", seen, want)
+		}
+	}
+	send(cmdWrite, bulkMin, bulkScore-1)
+	send(cmdFlush, 0, 3)
+	send(cmdWrite, bulkMin-1, 1) // one short of large
+	send(cmdWrite, bulkMin, 1)
+	calls(1)
+	send(cmdWrite, bulkMin, 1)
+	calls(1, 2)
+	send(cmdWrite, bulkMin, 4) // the score stays at its top
+	send(cmdRead, 4*kb, bulkScore-1)
+	calls(1, 2)
+	send(cmdWrite, 4*kb, 1)
+	calls(1, 2, 1)
+	send(cmdWrite, mb, bulkScore)
+	calls(1, 2, 1, 2)
+	c.request(cmdDisc, 0, 0, 0, 0, nil)
+	nbdtest.Until(t, "the connection to be counted out", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Equal(seen, []int{1, 2, 1, 2, 1, 0})
+	})
 }
 
 // corkedConn holds the client's writes while corked and sends them in one

@@ -86,8 +86,9 @@ type Server struct {
 	pipes    pipePool
 
 	// OnActive, if set, is called with the number of connections in the
-	// transmission phase, over all exports, each time it changes; the
-	// calls come one at a time, in the order of the changes.
+	// transmission phase, over all exports, each one writing in bulk
+	// counted twice (conn.bulk), each time it changes; the calls come one
+	// at a time, in the order of the changes.
 	OnActive func(conns int)
 	activeMu sync.Mutex
 	active   int

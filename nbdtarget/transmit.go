@@ -83,6 +83,8 @@ type conn struct {
 	running    atomic.Int32 // requests read and not yet answered (account)
 	serialN    int          // requests in a row fit for serial mode; under rmu
 	sinceFlush int          // requests read since the last flush; under rmu
+	bulkN      int          // the bulk score (see bulk); under rmu
+	bulky      bool         // counted twice in Server.OnActive; under rmu
 	handOver   *time.Timer  // hands the token on for a long serial request
 	pool       sync.WaitGroup
 	mem        *semaphore.Weighted // MaxInFlightBytes
@@ -152,6 +154,9 @@ func (c *conn) serve() {
 // that waits for the last one.
 func (c *conn) left() {
 	c.st.conns.Add(-1)
+	if c.bulky {
+		c.srv.activeChanged(-1)
+	}
 	c.srv.activeChanged(-1)
 	if c.x.removed.Load() {
 		c.srv.mu.Lock()
@@ -226,6 +231,7 @@ func (c *conn) next(held bool) (j *job, serial bool) {
 		return nil, false
 	}
 	c.st.inFlight.Add(1)
+	c.bulk(&j.req)
 	alone := c.running.Add(1) == 1
 	if c.serial(alone, waits, &j.req) {
 		c.st.serial.Add(1)
@@ -315,6 +321,45 @@ func (c *conn) handTokenOn() {
 	c.sock.(*rawSocket).linger.Store(0)
 	c.readAhead()
 	c.rmu.Unlock()
+}
+
+// Bulk writes (see bulk).
+const (
+	// bulkMin is the smallest write that counts as a large one.
+	bulkMin = 256 << 10
+	// bulkScore is how high a connection's score climbs, one per large
+	// write, before it counts as writing in bulk, and falls, one per other
+	// read or write, before it stops: it changes at most once per
+	// bulkScore requests.
+	bulkScore = 16
+)
+
+// bulk follows whether the connection writes in bulk (large writes one
+// after another), just read r being its latest request, and tells
+// Server.OnActive when that changes: such a connection counts twice
+// there, so that --procs auto gives it a second P. Its reader then copies
+// the next payload out of the socket (and decrypts it, over TLS) while the
+// write before is copied into the device, each a system call or Go code
+// holding a P for hundreds of µs a MiB; with one P the second waits for
+// sysmon to take the P from the first, 20 µs or more later. Small
+// requests gain nothing from a second P but wake-ups, and large reads are
+// spliced without a copy in the server or gained nothing from it over TLS
+// (docs/benchmarks.md). The caller holds the token.
+func (c *conn) bulk(r *request) {
+	switch {
+	case r.Type == cmdWrite && r.Length >= bulkMin:
+		c.bulkN = min(c.bulkN+1, bulkScore)
+	case r.Type == cmdWrite || r.Type == cmdRead:
+		c.bulkN = max(c.bulkN-1, 0)
+	}
+	switch {
+	case !c.bulky && c.bulkN == bulkScore:
+		c.bulky = true
+		c.srv.activeChanged(1)
+	case c.bulky && c.bulkN == 0:
+		c.bulky = false
+		c.srv.activeChanged(-1)
+	}
 }
 
 // read decodes one request and its payload; nil means the stream ended.

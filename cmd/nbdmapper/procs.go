@@ -17,10 +17,14 @@ import (
 // phase, between 1 and the CPUs the process may use. A connection's
 // requests are decoded one at a time and spend their time in system calls
 // (pread, pwrite, fdatasync, the socket), which run on threads of their
-// own without a P; the Go code around them is short. A second P then buys
-// one connection nothing but idle Ps spinning for work and threads woken
-// to find none, on every request, which on a small machine is CPU taken
-// from the client and latency added to each request (docs/benchmarks.md).
+// own without a P; the Go code around them is short. For small requests a
+// second P buys one connection nothing but idle Ps spinning for work and
+// threads woken to find none, on every request, which on a small machine
+// is CPU taken from the client and latency added to each request
+// (docs/benchmarks.md). A connection writing in bulk (large writes one
+// after another) does get two: its reader copies the next payload out of
+// the socket while the last one is copied into the page cache
+// (nbdtarget's conn.bulk).
 // Several connections do run Go code in parallel, so they get more.
 // GOMAXPROCS in the environment wins over auto, as it does for any Go
 // program.
@@ -62,7 +66,8 @@ func (p *procsFlag) apply(srv *nbdtarget.Server) {
 }
 
 // procsFor returns an OnActive hook that calls set with one P per
-// connection, between 1 and most, whenever that number changes.
+// connection (as OnActive counts them), between 1 and most, whenever that
+// number changes.
 func procsFor(most int, set func(int) int) func(conns int) {
 	cur := 0
 	return func(conns int) {
