@@ -154,11 +154,11 @@ func TestOnActive(t *testing.T) {
 	got(1, 2, 1, 0)
 }
 
-// A connection streaming large writes counts twice in OnActive, from its
-// bulkScore'th large write in a row, until as many other reads and
-// writes have brought its score back down; flushes do not count, and
-// a streaming connection that ends is counted out twice.
-func TestOnActiveStreaming(t *testing.T) {
+// A connection writing in bulk counts twice in OnActive, from its
+// bulkScore'th large write in a row, until as many other reads and writes
+// have brought its score back down; flushes do not count, and a bulk
+// connection that ends is counted out twice.
+func TestOnActiveBulk(t *testing.T) {
 	const mb = 1 << 20
 	var mu sync.Mutex
 	var seen []int
