@@ -51,7 +51,7 @@ func (p *procsFlag) Set(s string) error {
 }
 
 func (p *procsFlag) register(fs *flag.FlagSet) {
-	fs.Var(p, "procs", "CPUs running Go code at once (GOMAXPROCS): N, or auto for one per connection up to the CPUs available")
+	fs.Var(p, "procs", "CPUs running Go code at once (GOMAXPROCS): N, or auto for one per connection (two for one writing in bulk) up to the CPUs available")
 }
 
 // apply sets GOMAXPROCS for a fixed --procs, or makes srv adjust it to its
