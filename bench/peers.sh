@@ -258,8 +258,9 @@ for i in rows:
     vals = {p: medians(p, i) for p in peers}
     unit = "MiB/s" if name.startswith("1M") else "IOPS"
     others = [p for p in peers if not p.startswith("nbdmapper")]
-    best = max(vals[p][0] for p in others)
-    cheapest = min(vals[p][1] for p in others)
+    # No other peer (PEERS=nbdmapper, for a profile): no ratios.
+    best = max((vals[p][0] for p in others), default=0)
+    cheapest = min((vals[p][1] for p in others), default=0)
     ratio = vals["nbdmapper"][0] / best if best else float("nan")
     cpu_ratio = vals["nbdmapper"][1] / cheapest if cheapest else float("nan")
     cells = " | ".join(f"{vals[p][0]:.0f}" for p in peers)
