@@ -342,9 +342,10 @@ const (
 // write before is copied into the device, each a system call or Go code
 // holding a P for hundreds of µs a MiB; with one P the second waits for
 // sysmon to take the P from the first, 20 µs or more later. Small
-// requests gain nothing from a second P but wake-ups, and large reads are
-// spliced without a copy in the server or gained nothing from it over TLS
-// (docs/benchmarks.md). The caller holds the token.
+// requests gain nothing from a second P but wake-ups, and large reads
+// gained nothing either: plain ones are spliced, with no copy in the
+// server, and over TLS they measured 0.98x (docs/benchmarks.md). The
+// caller holds the token.
 func (c *conn) bulk(r *request) {
 	switch {
 	case r.Type == cmdWrite && r.Length >= bulkMin:
