@@ -42,6 +42,10 @@ func minor(dev uint64) uint64 { return ((dev >> 12) & 0xffffff00) | (dev & 0xff)
 type Limits struct {
 	Granularity int64 // discard alignment and minimum size in bytes; >= 1
 	MaxBytes    int64 // largest single discard call in bytes; 0 means no limit
+	// DiscardZeroes: a Discard that succeeded leaves its range reading as
+	// zeros and its whole blocks unallocated (a regular file's PUNCH_HOLE,
+	// a Mem's pages), so that a HoleMap may count them as holes.
+	DiscardZeroes bool
 }
 
 // Range is a byte range [Off, Off+Len) on one device.

@@ -62,7 +62,7 @@ func newFile(f *os.File, name string) (*File, error) {
 	case unix.S_IFREG:
 		d.id = ID{Dev: st.Dev, Ino: st.Ino}
 		d.size = st.Size
-		d.limits = Limits{Granularity: max(int64(st.Blksize), 1)}
+		d.limits = Limits{Granularity: max(int64(st.Blksize), 1), DiscardZeroes: true}
 	case unix.S_IFBLK:
 		d.block = true
 		d.id = ID{Block: true, Dev: st.Rdev}

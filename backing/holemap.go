@@ -22,19 +22,30 @@ import (
 // slot counts the writes in flight to its chunks and a generation bumped
 // whenever a write, discard or zeroing of one of them completes:
 //
-//	WriteAt      before: clear the chunk's hole bits under the range, writing++
-//	             after:  writing--, gen++
-//	Discard/Zero after:  forget the chunk (unknown: ask again), gen++
-//	query        read the slots' gens, ask the device (no lock held), then
-//	             keep the answer only if gen is unchanged and writing == 0
+//	WriteAt, Zero before: clear the chunk's hole bits under the range, writing++
+//	              after:  writing--, gen++ (Zero: forget the chunk, unknown)
+//	Discard       after:  learn the granules it punched, or forget, gen++
+//	query         read the slots' gens, ask the device (no lock held), then
+//	              keep the answer only if gen is unchanged and writing == 0
 //
 // A query that ran while a write to its chunk was in flight, or that a
 // write completed during, is used for the read that asked (the two were
 // concurrent, so either answer is allowed) but not kept. A read that
 // starts after a write was acknowledged finds the chunk as data, or
-// unknown, or asks the device, which has the data by then. Discards and
-// zeroing only ever make data read as zeros, so they forget the chunk after
-// they complete and the next read asks again; they need no count in flight.
+// unknown, or asks the device, which has the data by then.
+//
+// Discards. A discard or a zeroing that may punch, of a range the map
+// knows to be holes only, changes nothing on the device and is answered
+// without it (the file system would only walk its extents to find nothing
+// to free); so trims of free space, mkfs's of a fresh image and fstrim's
+// after a remount cost no system call. A discard that reached the device
+// makes its whole granules holes in the map afterwards, if the device's
+// discards leave zeros (Limits.DiscardZeroes) and no write or zeroing of
+// the device was in flight at any time while it ran (changing and changes,
+// one pair for the whole map: a punch racing a write to the same granule
+// may land before or after it, and only the device knows which). Otherwise
+// it forgets its chunks and the next read asks. A stale hole there can
+// only come from a punch that did not happen, which Discard's error says.
 //
 // Memory. The slots are a direct-mapped table of at most 8192 entries
 // (24 bytes each, 192 KiB, covering 2 GiB of a device without collisions),
@@ -51,9 +62,13 @@ type HoleMap struct {
 	size int64
 	mask int64 // len(slots) - 1
 
-	mu    sync.Mutex
-	slots []holeSlot
-	st    HoleMapStats
+	learn bool // the device's discards leave holes (Limits.DiscardZeroes)
+
+	mu       sync.Mutex
+	slots    []holeSlot
+	changing int    // writes and zeroings in flight, on any chunk
+	changes  uint64 // writes and zeroings begun or ended
+	st       HoleMapStats
 }
 
 var _ Device = (*HoleMap)(nil)
@@ -90,6 +105,8 @@ type HoleMapStats struct {
 	Queries  uint64 // Holes calls on the device
 	Refused  uint64 // chunk answers not kept: a write was in flight or a change completed meanwhile
 	Forgot   uint64 // known chunks forgotten after a discard or zeroing
+	Skipped  uint64 // discards and zeroings of known holes, not sent to the device
+	Learned  uint64 // chunks whose holes a completed discard added to the map
 	Evicted  uint64 // known chunks replaced by another chunk's answer
 	Errors   uint64 // Holes calls that failed (the chunks then read as data)
 	Slots    int    // capacity in chunks
@@ -108,7 +125,7 @@ func NewHoleMap(d Device) *HoleMap {
 	for n < chunks && n < holeSlotsMax {
 		n <<= 1
 	}
-	return &HoleMap{Device: d, size: size, mask: n - 1, slots: make([]holeSlot, n)}
+	return &HoleMap{Device: d, size: size, mask: n - 1, slots: make([]holeSlot, n), learn: d.Limits().DiscardZeroes}
 }
 
 // Unwrap returns the inner device, for operations that do not change it.
@@ -166,14 +183,67 @@ func (h *HoleMap) WriteAtDSync(p []byte, off int64) (int, error) {
 	return w.WriteAtDSync(p, off)
 }
 
+// Discard punches [off, off+n) unless the map knows it is all holes, and
+// learns what the punch did (see the type's comment).
 func (h *HoleMap) Discard(off, n int64) error {
-	defer h.forget(off, n)
-	return h.Device.Discard(off, n)
+	h.mu.Lock()
+	if h.knownHoles(off, n) {
+		h.st.Skipped++
+		h.mu.Unlock()
+		return nil
+	}
+	quiet, changes := h.changing == 0, h.changes
+	h.mu.Unlock()
+	punched := false // stays false if the device fails or panics
+	defer func() {
+		h.mu.Lock()
+		h.punched(off, n, punched && h.learn && quiet && h.changes == changes)
+		h.mu.Unlock()
+	}()
+	err := h.Device.Discard(off, n)
+	punched = err == nil
+	return err
 }
 
+// Zero zeroes [off, off+n), which needs nothing where the map knows holes
+// and the caller lets them stay holes (mayPunch).
 func (h *HoleMap) Zero(off, n int64, mayPunch bool) error {
-	defer h.forget(off, n)
+	if mayPunch {
+		h.mu.Lock()
+		skip := h.knownHoles(off, n)
+		if skip {
+			h.st.Skipped++
+		}
+		h.mu.Unlock()
+		if skip {
+			return nil
+		}
+	}
+	h.begin(off, n)
+	defer func() {
+		h.mu.Lock()
+		h.ended(off, n)
+		h.punched(off, n, false)
+		h.mu.Unlock()
+	}()
 	return h.Device.Zero(off, n, mayPunch)
+}
+
+// knownHoles reports whether the map knows every granule that [off, off+n)
+// touches as a hole. h.mu must be held.
+func (h *HoleMap) knownHoles(off, n int64) bool {
+	end := off + n
+	if n <= 0 || off < 0 || end > h.size || (end-1)/holeChunk-off/holeChunk >= int64(len(h.slots)) {
+		return false // more chunks than slots cannot all be known
+	}
+	for c := off / holeChunk; c*holeChunk < end; c++ {
+		s := &h.slots[c&h.mask]
+		lo, hi := max(off, c*holeChunk)-c*holeChunk, min(end, (c+1)*holeChunk)-c*holeChunk
+		if s.chunk != c+1 || s.holes&granuleMask(lo, hi) != granuleMask(lo, hi) {
+			return false
+		}
+	}
+	return true
 }
 
 // eachSlot calls fn once for every slot a chunk of [off, off+n) maps to,
@@ -207,8 +277,8 @@ func (h *HoleMap) eachSlot(off, n int64, fn func(s *holeSlot, c, lo, hi int64)) 
 	}
 }
 
-// begin marks [off, off+n) as data and a write to it as in flight, before
-// the write is issued.
+// begin marks [off, off+n) as data and a write (or zeroing) of it as in
+// flight, before it is issued.
 func (h *HoleMap) begin(off, n int64) {
 	h.mu.Lock()
 	h.eachSlot(off, n, func(s *holeSlot, c, lo, hi int64) {
@@ -217,6 +287,8 @@ func (h *HoleMap) begin(off, n int64) {
 		}
 		s.writing++
 	})
+	h.changing++
+	h.changes++
 	h.mu.Unlock()
 }
 
@@ -224,25 +296,55 @@ func (h *HoleMap) begin(off, n int64) {
 // panicked: part of it may have landed).
 func (h *HoleMap) end(off, n int64) {
 	h.mu.Lock()
+	h.ended(off, n)
+	h.mu.Unlock()
+}
+
+// ended is end with h.mu held.
+func (h *HoleMap) ended(off, n int64) {
 	h.eachSlot(off, n, func(s *holeSlot, _, _, _ int64) {
 		s.writing--
 		s.gen++
 	})
-	h.mu.Unlock()
+	h.changing--
+	h.changes++
 }
 
-// forget drops what is known of the chunks of [off, off+n) after a discard
-// or zeroing completed, so that the next read asks the device again.
-func (h *HoleMap) forget(off, n int64) {
-	h.mu.Lock()
-	h.eachSlot(off, n, func(s *holeSlot, _, lo, hi int64) {
-		if lo < hi {
-			s.chunk = 0
-			h.st.Forgot++
-		}
+// punched records a completed discard or zeroing of [off, off+n): with
+// learn, the granules it covers whole become holes in the chunks the map
+// knows, and chunks it covers whole become known; otherwise the chunks
+// known are forgotten, so that the next read asks the device again. h.mu
+// must be held.
+func (h *HoleMap) punched(off, n int64, learn bool) {
+	end := off + n
+	h.eachSlot(off, n, func(s *holeSlot, c, lo, hi int64) {
 		s.gen++
+		switch {
+		case !learn:
+			if lo < hi {
+				s.chunk = 0
+				h.st.Forgot++
+			}
+		case lo < hi: // a known chunk
+			s.holes |= h.punchedBits(c, off, end)
+			h.st.Learned++
+		case off <= c*holeChunk && min(h.size, (c+1)*holeChunk) <= end: // c unknown, covered whole
+			if s.chunk != 0 {
+				h.st.Evicted++
+			}
+			s.chunk, s.holes = c+1, h.punchedBits(c, off, end)
+			h.st.Learned++
+		}
 	})
-	h.mu.Unlock()
+}
+
+// punchedBits has the hole bits of chunk c's granules that [off, end)
+// covers whole (the device's short last granule too, if it reaches it).
+func (h *HoleMap) punchedBits(c, off, end int64) uint64 {
+	var bits [1]uint64
+	lo, hi := c*holeChunk, min(h.size, (c+1)*holeChunk)
+	setHoleBits(bits[:], []Range{{Off: off, Len: end - off}}, lo, hi, hi == h.size)
+	return bits[0]
 }
 
 // granuleMask has the bits of the granules that [lo, hi) touches, offsets

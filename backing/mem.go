@@ -37,7 +37,7 @@ func (m *Mem) ID() ID         { return m.id }
 func (m *Mem) Size() int64    { return m.size }
 func (m *Mem) Sync() error    { return nil }
 func (m *Mem) Close() error   { return nil }
-func (m *Mem) Limits() Limits { return Limits{Granularity: memPage} }
+func (m *Mem) Limits() Limits { return Limits{Granularity: memPage, DiscardZeroes: true} }
 
 func (m *Mem) ReadAt(p []byte, off int64) (int, error) {
 	if err := checkRange(m.size, off, int64(len(p))); err != nil {

@@ -131,6 +131,9 @@ var (
 	descHoleRefused = desc("nbdmapper_device_hole_map_refused_total",
 		"Hole answers of the file system not kept because a write or discard of the chunk raced the question.",
 		"device")
+	descHoleSkipped = desc("nbdmapper_device_hole_map_skipped_total",
+		"Discards, and zeroings that may punch, of ranges the hole map knew to be holes already: answered without the file system.",
+		"device")
 	descHoleKnown = desc("nbdmapper_device_hole_map_known_chunks",
 		"256 KiB chunks whose holes the map knows now (at most nbdmapper_device_hole_map_slots).",
 		"device")
@@ -401,6 +404,7 @@ func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.
 		counter(ch, descHoleLookups, st.Hits, name, "hit")
 		counter(ch, descHoleLookups, st.Misses, name, "miss")
 		counter(ch, descHoleRefused, st.Refused, name)
+		counter(ch, descHoleSkipped, st.Skipped, name)
 		gauge(ch, descHoleKnown, float64(st.Known), name)
 		gauge(ch, descHoleSlots, float64(st.Slots), name)
 	}
