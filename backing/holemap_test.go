@@ -400,13 +400,9 @@ func TestHoleMapFollowsDevice(t *testing.T) {
 			}
 			for i := range 1500 {
 				off, n := span(128 << 10)
-				switch rng.IntN(6) {
-				case 0, 1:
-					h.WriteAt(fill(int(n), byte(i)|1), off)
-				case 2:
-					h.Discard(off, n)
-				case 3:
-					h.Zero(off, n, rng.IntN(2) == 0)
+				switch k := rng.IntN(6); k {
+				case 0, 1, 2, 3:
+					change(h, rng, k, byte(i)|1, off, n)
 				case 4:
 					want, _ := m.Holes(off, n)
 					got, err := h.Holes(off, n)
@@ -439,6 +435,19 @@ func TestHoleMapFollowsDevice(t *testing.T) {
 				t.Fatalf("stats %+v", st)
 			}
 		})
+	}
+}
+
+// change makes change k (0-3) of [off, off+n) through h: a write of v
+// (0 and 1), a discard (2), a zeroing that may or may not punch (3).
+func change(h *HoleMap, rng *rand.Rand, k int, v byte, off, n int64) {
+	switch k {
+	case 0, 1:
+		h.WriteAt(fill(int(n), v), off)
+	case 2:
+		h.Discard(off, n)
+	case 3:
+		h.Zero(off, n, rng.IntN(2) == 0)
 	}
 }
 
@@ -612,14 +621,9 @@ func TestHoleMapDiscardsRaceWrites(t *testing.T) {
 							// granules 0-3 of chunks 0 and 2: everyone's
 							off := rng.Int64N(2)*2*holeChunk + rng.Int64N(4)*4096 + rng.Int64N(2)*100
 							n := 1 + rng.Int64N(int64(len(buf))-100)
-							switch rng.IntN(5) {
-							case 0, 1:
-								h.WriteAt(fill(int(n), byte(i)|1), off)
-							case 2:
-								h.Discard(off, n)
-							case 3:
-								h.Zero(off, n, rng.IntN(2) == 0)
-							case 4:
+							if k := rng.IntN(5); k < 4 {
+								change(h, rng, k, byte(i)|1, off, n)
+							} else {
 								h.ReadAtSparse(buf[:n], off, 1, 4, nil)
 							}
 						}
