@@ -326,8 +326,10 @@ func (h *HoleMap) punched(off, n int64, learn bool) {
 				h.st.Forgot++
 			}
 		case lo < hi: // a known chunk
-			s.holes |= h.punchedBits(c, off, end)
-			h.st.Learned++
+			if bits := h.punchedBits(c, off, end); bits&^s.holes != 0 {
+				s.holes |= bits
+				h.st.Learned++
+			}
 		case off <= c*holeChunk && min(h.size, (c+1)*holeChunk) <= end: // c unknown, covered whole
 			if s.chunk != 0 {
 				h.st.Evicted++
