@@ -5,6 +5,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
@@ -51,15 +52,28 @@ func newSerialFix(t *testing.T) *serialFix {
 
 func (f *serialFix) serialRequests() int64 { return f.srv.Stats().Exports[0].SerialRequests }
 
-// waits is how often the server's end of the connection found it empty.
-func (f *serialFix) waits() uint64 {
+// sock is the server's end of the connection.
+func (f *serialFix) sock() *rawSocket {
 	f.srv.mu.Lock()
 	defer f.srv.mu.Unlock()
 	for c := range f.srv.conns {
-		return c.sock.(*rawSocket).waits.Load()
+		return c.sock.(*rawSocket)
 	}
 	f.t.Fatal("no connection")
-	return 0
+	return nil
+}
+
+// waits is how often the server's end of the connection found it empty.
+func (f *serialFix) waits() uint64 { return f.sock().waits.Load() }
+
+// lingers checks whether the server's reads linger on their thread for the
+// next request (serial mode) or wait in the poller at once.
+func (f *serialFix) lingers(t *testing.T, want bool) {
+	t.Helper()
+	got := time.Duration(f.sock().linger.Load())
+	if (got != 0) != want || (want && got != lingerTime) {
+		t.Fatalf("the server's reads linger for %v; want lingering %v (%v)", got, want, lingerTime)
+	}
 }
 
 // encode returns a write of 4 KiB or a flush, with the next handle.
@@ -109,6 +123,7 @@ func TestSerialMode(t *testing.T) {
 	if n := f.serialRequests(); n != 0 {
 		t.Fatalf("%d requests serial after two: want none before the third", n)
 	}
+	f.lingers(t, false)
 	for range 3 {
 		f.roundTrip(t, cmdWrite)
 		f.roundTrip(t, cmdFlush)
@@ -116,6 +131,7 @@ func TestSerialMode(t *testing.T) {
 	if n := f.serialRequests(); n != 6 {
 		t.Fatalf("%d of the 6 requests from the third on ran serially", n)
 	}
+	f.lingers(t, true)
 
 	f.roundTrip(t, cmdWrite)
 	f.gate.armed.Store(true)
@@ -130,6 +146,7 @@ func TestSerialMode(t *testing.T) {
 	if n := f.serialRequests(); n != 8 {
 		t.Fatalf("the write sent beside the flush ran serially (%d serial requests, want 8)", n)
 	}
+	f.lingers(t, false)
 
 	// Back to one at a time: serial again from the third.
 	f.roundTrip(t, cmdWrite)
@@ -138,6 +155,7 @@ func TestSerialMode(t *testing.T) {
 	if n := f.serialRequests(); n != 9 {
 		t.Fatalf("%d serial requests after three more one at a time, want 9", n)
 	}
+	f.lingers(t, true)
 }
 
 // Serial mode needs both: a client that waits for each reply, and flushes.
@@ -150,6 +168,7 @@ func TestSerialModeNeeds(t *testing.T) {
 		if n := f.serialRequests(); n != 0 {
 			t.Fatalf("%d writes without flushes ran serially", n)
 		}
+		f.lingers(t, false)
 	})
 	t.Run("pipelined", func(t *testing.T) {
 		f := newSerialFix(t)
@@ -168,5 +187,6 @@ func TestSerialModeNeeds(t *testing.T) {
 		if n := f.serialRequests(); n != 0 {
 			t.Fatalf("%d requests sent two at a time ran serially", n)
 		}
+		f.lingers(t, false)
 	})
 }
