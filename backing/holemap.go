@@ -43,9 +43,11 @@ import (
 // discards leave zeros (Limits.DiscardZeroes) and no write or zeroing of
 // the device was in flight at any time while it ran (changing and changes,
 // one pair for the whole map: a punch racing a write to the same granule
-// may land before or after it, and only the device knows which). Otherwise
-// it forgets its chunks and the next read asks. A stale hole there can
-// only come from a punch that did not happen, which Discard's error says.
+// may land before or after it, and only the device knows which). Otherwise,
+// and after a discard that failed or panicked, it forgets its chunks and
+// the next read asks. A skipped discard or zeroing still counts as a change
+// for the flush engine above (it dirties the device), so a flush after it
+// syncs whatever punch made the hole.
 //
 // Memory. The slots are a direct-mapped table of at most 8192 entries
 // (24 bytes each, 192 KiB, covering 2 GiB of a device without collisions),
