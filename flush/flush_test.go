@@ -417,6 +417,39 @@ func TestTrackOnce(t *testing.T) {
 	}
 }
 
+// A discard or zeroing that a hole map answers without the device, over
+// holes it knows, still dirties the device, so that the flush after it
+// syncs: the hole may come from a punch not synced yet.
+func TestSkippedDiscardDirties(t *testing.T) {
+	e := New()
+	f := backing.NewFaulty(backing.NewMem("m", 1<<20))
+	h := backing.NewHoleMap(f)
+	w := e.Track(h)
+	if holes, err := h.Holes(0, 1<<20); err != nil || len(holes) != 1 {
+		t.Fatalf("holes of a fresh Mem: %v, %v", holes, err)
+	}
+	for i, op := range []func() error{
+		func() error { return w.Discard(0, 4096) },
+		func() error { return w.Zero(0, 4096, true) },
+	} {
+		if err := op(); err != nil {
+			t.Fatal(err)
+		}
+		if st := h.Stats(); st.Skipped != uint64(i+1) {
+			t.Fatalf("op %d: hole map stats %+v, want it skipped", i, st)
+		}
+		if !devStats(e, "m").Dirty {
+			t.Fatalf("op %d, skipped by the hole map, left the device clean", i)
+		}
+		if err := w.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		if f.Syncs() != i+1 {
+			t.Fatalf("op %d: the device saw %d syncs, want %d", i, f.Syncs(), i+1)
+		}
+	}
+}
+
 // noDSync hides a device's WriteAtDSync, forcing WriteFUA's write+flush path.
 type noDSync struct{ backing.Device }
 
