@@ -37,8 +37,10 @@ import (
 // Discards. A discard or a zeroing that may punch, of a range the map
 // knows to be holes only, changes nothing on the device and is answered
 // without it (the file system would only walk its extents to find nothing
-// to free); so trims of free space, mkfs's of a fresh image and fstrim's
-// after a remount cost no system call. A discard that reached the device
+// to free); so a second trim of a range, fstrim's after a remount or a
+// trim of holes a read or block status asked about before cost no system
+// call (the first trim of a range the map does not know still punches). A
+// discard that reached the device
 // makes its whole granules holes in the map afterwards, if the device's
 // discards leave zeros (Limits.DiscardZeroes) and no write or zeroing of
 // the device was in flight at any time while it ran (changing and changes,
@@ -189,8 +191,7 @@ func (h *HoleMap) WriteAtDSync(p []byte, off int64) (int, error) {
 // learns what the punch did (see the type's comment).
 func (h *HoleMap) Discard(off, n int64) error {
 	h.mu.Lock()
-	if h.knownHoles(off, n) {
-		h.st.Skipped++
+	if h.skips(off, n) {
 		h.mu.Unlock()
 		return nil
 	}
@@ -212,10 +213,7 @@ func (h *HoleMap) Discard(off, n int64) error {
 func (h *HoleMap) Zero(off, n int64, mayPunch bool) error {
 	if mayPunch {
 		h.mu.Lock()
-		skip := h.knownHoles(off, n)
-		if skip {
-			h.st.Skipped++
-		}
+		skip := h.skips(off, n)
 		h.mu.Unlock()
 		if skip {
 			return nil
@@ -231,9 +229,10 @@ func (h *HoleMap) Zero(off, n int64, mayPunch bool) error {
 	return h.Device.Zero(off, n, mayPunch)
 }
 
-// knownHoles reports whether the map knows every granule that [off, off+n)
-// touches as a hole. h.mu must be held.
-func (h *HoleMap) knownHoles(off, n int64) bool {
+// skips reports whether the map knows every granule that [off, off+n)
+// touches as a hole, so that a discard or punching zeroing of it needs no
+// device call, and counts it as skipped then. h.mu must be held.
+func (h *HoleMap) skips(off, n int64) bool {
 	end := off + n
 	if n <= 0 || off < 0 || end > h.size || (end-1)/holeChunk-off/holeChunk >= int64(len(h.slots)) {
 		return false // more chunks than slots cannot all be known
@@ -245,6 +244,7 @@ func (h *HoleMap) knownHoles(off, n int64) bool {
 			return false
 		}
 	}
+	h.st.Skipped++
 	return true
 }
 

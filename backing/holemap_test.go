@@ -20,7 +20,15 @@ type gated struct {
 	afterHoles   func()
 	beforeWrite  func()
 	afterDiscard func() error
+	beforeZero   func()
 	limits       *Limits
+}
+
+func (g *gated) Zero(off, n int64, mayPunch bool) error {
+	if g.beforeZero != nil {
+		g.beforeZero()
+	}
+	return g.Mem.Zero(off, n, mayPunch)
 }
 
 // Discard punches the Mem, then runs afterDiscard, whose error it returns.
@@ -244,25 +252,34 @@ func TestHoleMapRaces(t *testing.T) {
 				t.Fatalf("stats %+v: want the chunk forgotten, not learned", st)
 			}
 		}, 0},
-		{"a write elsewhere in flight while a discard runs: the discard forgets", func(t *testing.T, g *gated, h *HoleMap) {
-			h.WriteAt(data, 0)
-			mustData(t, h, 0, data)
-			w := newGate()
-			g.beforeWrite = w.wait
-			wrote := make(chan error)
-			go func() { _, err := h.WriteAt(data, 3*holeChunk); wrote <- err }()
-			<-w.reached
-			if err := h.Discard(0, 4096); err != nil {
-				t.Fatal(err)
+		{"a write or zeroing elsewhere in flight while a discard runs: the discard forgets", func(t *testing.T, g *gated, h *HoleMap) {
+			for k, change := range []struct {
+				hook *func()
+				run  func() error
+			}{
+				{&g.beforeWrite, func() error { _, err := h.WriteAt(data, 3*holeChunk); return err }},
+				{&g.beforeZero, func() error { return h.Zero(3*holeChunk, 4096, false) }},
+			} {
+				h.WriteAt(data, 0)
+				mustData(t, h, 0, data)
+				c := newGate()
+				*change.hook = c.wait
+				changed := make(chan error)
+				go func() { changed <- change.run() }()
+				<-c.reached
+				*change.hook = nil
+				if err := h.Discard(0, 4096); err != nil {
+					t.Fatal(err)
+				}
+				close(c.open)
+				if err := <-changed; err != nil {
+					t.Fatal(err)
+				}
+				if st := h.Stats(); st.Learned != 0 || st.Forgot != uint64(k+1) {
+					t.Fatalf("change %d: stats %+v: want the chunk forgotten, not learned", k, st)
+				}
+				mustHole(t, h, 0, 4096)
 			}
-			close(w.open)
-			if err := <-wrote; err != nil {
-				t.Fatal(err)
-			}
-			if st := h.Stats(); st.Learned != 0 || st.Forgot != 1 {
-				t.Fatalf("stats %+v: want the chunk forgotten, not learned", st)
-			}
-			mustHole(t, h, 0, 4096)
 		}, 0},
 		{"a failed or panicking discard forgets", func(t *testing.T, g *gated, h *HoleMap) {
 			h.WriteAt(data, 0)
