@@ -2,7 +2,9 @@ package metrics
 
 import (
 	"bytes"
+	"fmt"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -10,7 +12,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
 )
@@ -191,6 +197,36 @@ func TestCountersMatchDevices(t *testing.T) {
 		{"nbdmapper_flushes_total", nil, 3},
 	}
 	checkValues(t, fams, checks)
+}
+
+// TestHoleMapSkips trims the same range of a sparse file twice: the first
+// trim punches the file and teaches its hole map the holes, the second
+// finds them known and is answered without the file system, which the
+// skipped counter shows (the discard engine above counts both calls). The
+// server is built as serve builds it, the flush engine's tracking right
+// above the hole map (the rig's recorders would hide the map).
+func TestHoleMapSkips(t *testing.T) {
+	file := sparse.Create(t, filepath.Join(t.TempDir(), "d.img"), diskBytes)
+	f, d := flush.New(), discard.New()
+	pool := &backing.Pool{Wrap: f.Track}
+	t.Cleanup(func() { pool.Close() })
+	tb, err := table.Parse("t.table", strings.NewReader(fmt.Sprintf("0 %d linear %s 0\n", diskBytes/512, file)), pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &nbdtarget.Server{Exports: []*nbdtarget.Export{{Name: "t", Dev: mapped.New("t", tb, f, d)}}}
+	m := New(Config{Server: srv, Flush: f, Discard: d, Version: "test"})
+	sock := nbdtest.ServeUnix(t, srv, nbdtarget.ErrServerClosed)
+	script := "h.trim(2 << 20, 1 << 20)\nh.trim(2 << 20, 1 << 20)"
+	if out, err := nbdtest.Nbdsh(t, "-u", nbdtest.URI(sock, "t"), "-c", script).CombinedOutput(); err != nil {
+		t.Fatalf("nbdsh: %v\n%s", err, out)
+	}
+	dev := map[string]string{"device": file}
+	checkValues(t, gather(t, m), []wantValue{
+		{"nbdmapper_device_hole_map_skipped_total", dev, 1},
+		{"nbdmapper_device_discard_calls_total", dev, 2},
+		{"nbdmapper_device_hole_map_known_chunks", dev, 8},
+	})
 }
 
 func discardBytes(r *backing.Recorder) int64 {
