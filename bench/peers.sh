@@ -21,6 +21,10 @@
 # so none inherits another's writes or trims. Reads run first, then writes,
 # then trims, so the read rows of a sparse file read holes.
 #
+# Every peer does the same work for each request: qemu-nbd runs with
+# --discard=unmap, since by default it answers a trim without passing it to
+# the file (nbdmapper and nbdkit's file plugin punch a hole for each).
+#
 # The order of the peers rotates every round, so a burst of load from
 # elsewhere, or the page cache one peer leaves behind, touches each of them
 # in turn. Besides each row's figure, the server's CPU time (user + system,
@@ -95,7 +99,7 @@ start_peer() { # name socket disk profile-flag
 		;;
 	nbdkit) nbdkit --foreground --unix "$sock" --exportname bench file "$disk" 2>"$out/$name.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --socket "$sock" --export-name bench --shared 8 --persistent \
-		--cache writeback --aio threads "$disk" 2>"$out/$name.log" & ;;
+		--cache writeback --aio threads --discard=unmap "$disk" 2>"$out/$name.log" & ;;
 	esac
 	peer_pid=$!
 	wait_socket "$sock" "$peer_pid" "$out/$name.log"
@@ -136,7 +140,7 @@ start_tls_peer() {
 	nbdkit) nbdkit --foreground --ipaddr 127.0.0.1 --port "$port" --tls=require --tls-certificates "$p" \
 		--tls-verify-peer --exportname bench file "$disk" 2>"$out/$name-tls.log" & ;;
 	qemu-nbd) qemu-nbd --format raw --bind 127.0.0.1 --port "$port" --export-name bench --shared 8 --persistent \
-		--cache writeback --aio threads --object "tls-creds-x509,id=tls0,endpoint=server,dir=$p,verify-peer=on" \
+		--cache writeback --aio threads --discard=unmap --object "tls-creds-x509,id=tls0,endpoint=server,dir=$p,verify-peer=on" \
 		--tls-creds tls0 "$disk" 2>"$out/$name-tls.log" & ;;
 	esac
 	peer_pid=$!
