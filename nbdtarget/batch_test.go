@@ -19,19 +19,8 @@ type countingServer struct {
 	writes atomic.Int64
 }
 
-func (s *countingServer) Serve(l net.Listener) error { return s.Server.Serve(countingListener{l, s}) }
-
-type countingListener struct {
-	net.Listener
-	s *countingServer
-}
-
-func (l countingListener) Accept() (net.Conn, error) {
-	c, err := l.Listener.Accept()
-	if err != nil {
-		return nil, err
-	}
-	return countingConn{c, l.s}, nil
+func (s *countingServer) Serve(l net.Listener) error {
+	return s.Server.Serve(&wrappingListener{l, func(c net.Conn) net.Conn { return countingConn{c, s} }})
 }
 
 type countingConn struct {

@@ -2,6 +2,7 @@ package nbdtarget
 
 import (
 	"errors"
+	"net"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -138,3 +139,18 @@ var (
 	_ backing.Device = (*failDev)(nil)
 	_ backing.Device = noZeroDev{}
 )
+
+// wrappingListener hands the server each accepted connection through wrap,
+// for tests that watch or steer what the server does to its socket.
+type wrappingListener struct {
+	net.Listener
+	wrap func(net.Conn) net.Conn
+}
+
+func (l *wrappingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return l.wrap(c), nil
+}

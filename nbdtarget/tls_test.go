@@ -14,8 +14,11 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
@@ -642,4 +645,83 @@ func fuzzServer(t testing.TB) *Server {
 	srv := &Server{Exports: []*Export{x, ro}}
 	srv.init()
 	return srv
+}
+
+// TestShutdownTLSHeldRecords: a Shutdown that lands while tlsRecords is
+// taking the records crypto/tls already holds still stops the reader.
+// tlsRecords reads those records under a read deadline in the past and then
+// clears it; here Shutdown's own deadline (stopReading) is set just before
+// that clearing, so the clearing removes it, and only tlsRecords' check of
+// stopped afterwards keeps the reader from waiting for the client forever.
+func TestShutdownTLSHeldRecords(t *testing.T) {
+	f := newTLSFix(t, TLSRequire)
+	conns := make(chan *shutdownWhileClearing, 1)
+	srv := &wrappingServer{Server: f.srv, wrap: func(nc net.Conn) net.Conn {
+		s := &shutdownWhileClearing{Conn: nc, srv: f.srv, shut: make(chan error, 1), stopSet: make(chan struct{})}
+		conns <- s
+		return s
+	}}
+	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
+	c.greet(3)
+	c.startTLS(f.goClient(t, "alice"))
+	c.connect2("main")
+	spy := <-conns
+	spy.armed.Store(true)
+	c.request(0, 0, 9, 0, 4096, nil)
+	if h, e, d := c.simple(4096); h != 9 || e != 0 || len(d) != 4096 {
+		t.Fatalf("read over TLS: handle %d errno %d", h, e)
+	}
+	if spy.armed.Load() {
+		t.Fatal("tlsRecords never cleared a read deadline it had set in the past")
+	}
+	if !c.closed() {
+		t.Fatal("connection still open after Shutdown")
+	}
+	if err := <-spy.shut; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+}
+
+// wrappingServer is a Server whose accepted connections go through wrap.
+type wrappingServer struct {
+	*Server
+	wrap func(net.Conn) net.Conn
+}
+
+func (s *wrappingServer) Serve(l net.Listener) error {
+	return s.Server.Serve(&wrappingListener{l, s.wrap})
+}
+
+// shutdownWhileClearing is a connection that, once armed, starts Shutdown
+// when the server clears a read deadline that was in the past (tlsRecords
+// ending its take of held records), and lets the clearing through only
+// after Shutdown has set its own read deadline.
+type shutdownWhileClearing struct {
+	net.Conn
+	srv   *Server
+	armed atomic.Bool
+	shut  chan error // Shutdown's result
+
+	mu       sync.Mutex
+	last     time.Time // the read deadline set last
+	stopping bool      // Shutdown has been started
+	once     sync.Once
+	stopSet  chan struct{} // closed once a deadline is set after Shutdown started
+}
+
+func (s *shutdownWhileClearing) SetReadDeadline(t time.Time) error {
+	s.mu.Lock()
+	switch {
+	case s.stopping && !t.IsZero():
+		s.once.Do(func() { close(s.stopSet) })
+	case t.IsZero() && s.last.Equal(longAgo) && s.armed.CompareAndSwap(true, false):
+		s.stopping = true
+		s.mu.Unlock()
+		go func() { s.shut <- s.srv.Shutdown(context.Background()) }()
+		<-s.stopSet
+		s.mu.Lock()
+	}
+	s.last = t
+	s.mu.Unlock()
+	return s.Conn.SetReadDeadline(t)
 }
