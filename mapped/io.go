@@ -262,13 +262,33 @@ func (m *Device) writeFUA(t *table.Table, p []byte, off int64) (handled bool, er
 // mapped one (not a zero or error target, not split across lines or
 // stripes).
 func oneExtent(t *table.Table, off, n int64) (ext table.Extent, ok bool) {
-	k := 0
-	t.Map(off, n, func(e table.Extent) bool {
-		ext = e
-		k++
-		return k == 1
-	})
+	f := finderPool.Get().(*extentFinder)
+	t.Map(off, n, f.yield)
+	ext, k := f.ext, f.k
+	*f = extentFinder{yield: f.yield}
+	finderPool.Put(f)
 	return ext, k == 1 && ext.Kind == table.KindMapped
+}
+
+// extentFinder is oneExtent's state, pooled with its yield func bound
+// once, so that a spliced read or a durable write allocates no closure.
+type extentFinder struct {
+	ext   table.Extent
+	k     int                     // extents seen
+	yield func(table.Extent) bool // f.take
+}
+
+var finderPool = sync.Pool{New: func() any {
+	f := new(extentFinder)
+	f.yield = f.take
+	return f
+}}
+
+// take keeps the first extent and stops at the second.
+func (f *extentFinder) take(e table.Extent) bool {
+	f.ext = e
+	f.k++
+	return f.k == 1
 }
 
 // Splice moves [off, off+n) into a pipe (see backing.Splicer) when it lies

@@ -4,14 +4,18 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/golden"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/table"
+	"golang.org/x/sys/unix"
 )
 
 // sparseTable has a target of every kind a read crosses, over devices
@@ -217,7 +221,7 @@ func TestWriteAllocs(t *testing.T) {
 	m := backing.NewMem("m", 64<<20)
 	x := parseSet(t, memOpener{"m": m}, "x=0 131072 linear m 0\n")[0]
 	p := make([]byte, 4096)
-	allocs := testing.AllocsPerRun(100, func() {
+	allocs := nbdtest.AllocsPerRun(100, func() {
 		// One offset: Mem allocates a page the first time it is written.
 		if err := x.Write(p, 4096, false); err != nil {
 			t.Fatal(err)
@@ -225,5 +229,39 @@ func TestWriteAllocs(t *testing.T) {
 	})
 	if allocs != 0 {
 		t.Errorf("a 4 KiB write allocated %v times, want 0", allocs)
+	}
+}
+
+// A spliced read allocates nothing of its own: finding the one extent it
+// lies on is pooled, as a read's table walk is.
+func TestSpliceAllocs(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(path, bytes.Repeat([]byte{7}, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err := backing.OpenFile(path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	x := parseSet(t, memOpener{"f": f}, "x=0 2048 linear f 0\n")[0]
+	var pipe [2]int
+	if err := unix.Pipe2(pipe[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(pipe[0])
+	defer unix.Close(pipe[1])
+	got := make([]byte, 4096)
+	allocs := nbdtest.AllocsPerRun(100, func() {
+		ok, err := x.Splice(pipe[1], 8192, 4096)
+		if !ok || err != nil {
+			t.Fatalf("Splice: %v, %v", ok, err)
+		}
+		if n, err := unix.Read(pipe[0], got); n != 4096 || err != nil || got[4095] != 7 {
+			t.Fatalf("pipe read %d bytes, %v", n, err)
+		}
+	})
+	if allocs != 0 {
+		t.Errorf("a 4 KiB spliced read allocated %v times, want 0", allocs)
 	}
 }
