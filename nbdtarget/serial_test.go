@@ -46,7 +46,22 @@ func newSerialFix(t *testing.T) *serialFix {
 	t.Cleanup(open) // before Shutdown waits for a gated flush
 	srv := &Server{Exports: []*Export{newExport(t, "t", seg{len: 64 * kb, dev: g})}}
 	f := &serialFix{t: t, srv: srv, gate: g, open: open, c: dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))}
+	nbdtest.Until(t, "the server to take the connection", func() bool {
+		srv.mu.Lock()
+		defer srv.mu.Unlock()
+		return len(srv.conns) == 1
+	})
+	// The handshake's reads find the socket empty too. With the server's
+	// lock held, the connection stops after its handshake, before the
+	// transmission phase reads anything, so the waits counted then are the
+	// handshake's, and the first send waits for the first of the
+	// transmission's.
+	srv.mu.Lock()
 	f.c.connect("t", false, false)
+	for c := range srv.conns {
+		f.waited = c.sock.(*rawSocket).waits.Load()
+	}
+	srv.mu.Unlock()
 	return f
 }
 
@@ -116,8 +131,13 @@ func (f *serialFix) roundTrip(t *testing.T, typ uint16) {
 // request it sends while a serial flush blocks is still read and answered
 // before the flush ends (the flush hands reading on), and that ends serial
 // mode until the client again waits for each reply.
+//
+// Only the gated flush may hand reading on: a loaded machine can stall any
+// request past handOverAfter, which ends serial mode too, so the hand-over
+// waits an hour except for that flush.
 func TestSerialMode(t *testing.T) {
 	f := newSerialFix(t)
+	f.srv.serialHandOver.Store(int64(time.Hour))
 	f.roundTrip(t, cmdWrite)
 	f.roundTrip(t, cmdFlush)
 	if n := f.serialRequests(); n != 0 {
@@ -135,6 +155,7 @@ func TestSerialMode(t *testing.T) {
 
 	f.roundTrip(t, cmdWrite)
 	f.gate.armed.Store(true)
+	f.srv.serialHandOver.Store(int64(handOverAfter))
 	flush := f.send(cmdFlush)
 	nbdtest.Recv(t, f.gate.entered, "the flush to reach its device")
 	if n := f.serialRequests(); n != 8 {
@@ -149,6 +170,7 @@ func TestSerialMode(t *testing.T) {
 	f.lingers(t, false)
 
 	// Back to one at a time: serial again from the third.
+	f.srv.serialHandOver.Store(int64(time.Hour))
 	f.roundTrip(t, cmdWrite)
 	f.roundTrip(t, cmdFlush)
 	f.roundTrip(t, cmdWrite)

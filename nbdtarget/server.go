@@ -98,6 +98,11 @@ type Server struct {
 	mem      *semaphore.Weighted
 	counters serverCounters
 
+	// serialHandOver, a time.Duration, replaces handOverAfter when set:
+	// tests set it long, since a loaded machine may stall a request past
+	// 1 ms, and short where a request must hand reading on.
+	serialHandOver atomic.Int64
+
 	ticks     atomic.Int64 // advanced by watchReplies every ReplyTimeout/4
 	watchOnce sync.Once
 	stopWatch chan struct{}
@@ -193,6 +198,13 @@ func (s *Server) handshakeTimeout() time.Duration {
 		return s.HandshakeTimeout
 	}
 	return DefaultHandshakeTimeout
+}
+
+func (s *Server) handOverAfter() time.Duration {
+	if d := time.Duration(s.serialHandOver.Load()); d > 0 {
+		return d
+	}
+	return handOverAfter
 }
 
 func (s *Server) maxInFlight() int {

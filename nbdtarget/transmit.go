@@ -235,7 +235,7 @@ func (c *conn) next(held bool) (j *job, serial bool) {
 	alone := c.running.Add(1) == 1
 	if c.serial(alone, waits, &j.req) {
 		c.st.serial.Add(1)
-		c.handOver.Reset(handOverAfter)
+		c.handOver.Reset(c.srv.handOverAfter())
 		return j, true
 	}
 	c.readAhead()
