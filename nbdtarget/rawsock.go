@@ -136,6 +136,20 @@ func rawIO(trap, fd uintptr, p []byte) (int, syscall.Errno) {
 	return int(n), errno
 }
 
+// drained reports whether the socket holds nothing that no read has taken
+// yet (SIOCINQ reads 0); it is false when the socket holds bytes or the
+// question fails. ioctl(SIOCINQ) cannot block, so it is a raw call too.
+func (s *rawSocket) drained() bool {
+	var inq int32
+	var errno syscall.Errno
+	if err := s.rc.Control(func(fd uintptr) {
+		_, _, errno = unix.RawSyscall(unix.SYS_IOCTL, fd, unix.SIOCINQ, uintptr(unsafe.Pointer(&inq)))
+	}); err != nil {
+		return false
+	}
+	return errno == 0 && inq == 0
+}
+
 // readable waits up to d in poll(2) for fd to be readable (or closed by the
 // peer, or in error: the read that follows says which).
 func readable(fd uintptr, d time.Duration) bool {

@@ -225,3 +225,54 @@ func TestRawSocketLingersOnItsThread(t *testing.T) {
 		t.Fatalf("lingering read: %q, want late (it did not wait on its thread)", g)
 	}
 }
+
+// drained says whether the socket holds bytes no read has taken, on a unix
+// socket and on TCP, and says no once the socket is closed.
+func TestRawSocketDrained(t *testing.T) {
+	tcp := func(t *testing.T) (*rawSocket, net.Conn) {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		client, err := net.Dial("tcp", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { client.Close() })
+		server, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return socketIO(server, rawConn(server)).(*rawSocket), client
+	}
+	for name, pair := range map[string]func(*testing.T) (*rawSocket, net.Conn){"unix": rawSocketPair, "tcp": tcp} {
+		t.Run(name, func(t *testing.T) {
+			rs, client := pair(t)
+			if !rs.drained() {
+				t.Fatal("a fresh socket is not drained")
+			}
+			if _, err := client.Write([]byte("abc")); err != nil {
+				t.Fatal(err)
+			}
+			nbdtest.Until(t, "the bytes to arrive", func() bool { return !rs.drained() })
+			buf := make([]byte, 2)
+			if _, err := io.ReadFull(rs, buf); err != nil {
+				t.Fatal(err)
+			}
+			if rs.drained() {
+				t.Fatal("drained with a byte still unread")
+			}
+			if _, err := io.ReadFull(rs, buf[:1]); err != nil {
+				t.Fatal(err)
+			}
+			if !rs.drained() {
+				t.Fatal("not drained once every byte was read")
+			}
+			rs.Close()
+			if rs.drained() {
+				t.Fatal("a closed socket says it is drained")
+			}
+		})
+	}
+}

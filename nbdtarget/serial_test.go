@@ -37,15 +37,36 @@ type serialFix struct {
 	h      uint64
 	waited uint64 // the server socket's waits at the last send
 	open   func() // releases the gate's Syncs
+
+	// pause, when set, stops the server after its next serial reply,
+	// before it reads on: it closes paused, then waits for resume.
+	pause   atomic.Bool
+	paused  chan struct{}
+	resume  func()
+	resumed chan struct{}
+}
+
+// afterSerialReply is the server's Server.afterSerialReply.
+func (f *serialFix) afterSerialReply() {
+	if f.pause.CompareAndSwap(true, false) {
+		close(f.paused)
+		<-f.resumed
+	}
 }
 
 func newSerialFix(t *testing.T) *serialFix {
 	g := &syncGate{Device: backing.NewMem("s", 64*kb), entered: make(chan struct{}), release: make(chan struct{})}
-	var once sync.Once
-	open := func() { once.Do(func() { close(g.release) }) }
-	t.Cleanup(open) // before Shutdown waits for a gated flush
 	srv := &Server{Exports: []*Export{newExport(t, "t", seg{len: 64 * kb, dev: g})}}
-	f := &serialFix{t: t, srv: srv, gate: g, open: open, c: dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))}
+	f := &serialFix{t: t, srv: srv, gate: g, paused: make(chan struct{}), resumed: make(chan struct{})}
+	f.open = sync.OnceFunc(func() { close(g.release) })
+	f.resume = sync.OnceFunc(func() { close(f.resumed) })
+	srv.afterSerialReply = f.afterSerialReply
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	// Cleanups run last first: these before Shutdown, which waits for a
+	// gated flush or a paused server.
+	t.Cleanup(f.open)
+	t.Cleanup(f.resume)
+	f.c = dialRaw(t, sock)
 	nbdtest.Until(t, "the server to take the connection", func() bool {
 		srv.mu.Lock()
 		defer srv.mu.Unlock()
@@ -178,6 +199,63 @@ func TestSerialMode(t *testing.T) {
 		t.Fatalf("%d serial requests after three more one at a time, want 9", n)
 	}
 	f.lingers(t, true)
+}
+
+// A client that sends each request once it has the reply before stays in
+// serial mode when its request is in the socket before the server's reader
+// gets there (the client ran first after the reply), and leaves it when it
+// sent the request while the one before ran.
+func TestSerialModeLateRead(t *testing.T) {
+	serial := func(t *testing.T) *serialFix {
+		f := newSerialFix(t)
+		f.srv.serialHandOver.Store(int64(time.Hour))
+		f.roundTrip(t, cmdWrite)
+		f.roundTrip(t, cmdFlush)
+		f.roundTrip(t, cmdWrite)
+		if n := f.serialRequests(); n != 1 {
+			t.Fatalf("%d serial requests after three one at a time, want 1", n)
+		}
+		return f
+	}
+	t.Run("sent after the reply", func(t *testing.T) {
+		f := serial(t)
+		// Armed once the write's reply is behind the server, which then
+		// waits for the flush.
+		nbdtest.Until(t, "the server to wait for the flush", func() bool { return f.waits() > f.waited })
+		f.pause.Store(true)
+		f.answered(t, f.send(cmdFlush))
+		nbdtest.Recv(t, f.paused, "the server to stop after the flush's reply")
+		f.waited = f.waits()
+		f.c.write(f.encode(cmdWrite)) // in the socket before the reader looks
+		f.resume()
+		f.answered(t, f.h)
+		nbdtest.Until(t, "the server to wait for the next request", func() bool { return f.waits() > f.waited })
+		if n := f.waits(); n != f.waited+1 {
+			t.Fatalf("the server found the socket empty %d times for the write and the read after it, want once (the read after)", n-f.waited)
+		}
+		if n := f.serialRequests(); n != 3 {
+			t.Fatalf("the write read late did not run serially (%d serial requests, want 3)", n)
+		}
+		f.lingers(t, true)
+		f.roundTrip(t, cmdFlush)
+		if n := f.serialRequests(); n != 4 {
+			t.Fatalf("%d serial requests after one more flush, want 4", n)
+		}
+	})
+	t.Run("sent while the last ran", func(t *testing.T) {
+		f := serial(t)
+		f.gate.armed.Store(true)
+		flush := f.send(cmdFlush)
+		nbdtest.Recv(t, f.gate.entered, "the flush to reach its device")
+		f.c.write(f.encode(cmdWrite))
+		f.open()
+		f.answered(t, flush)
+		f.answered(t, f.h)
+		if n := f.serialRequests(); n != 2 {
+			t.Fatalf("the write sent beside the flush ran serially (%d serial requests, want 2)", n)
+		}
+		f.lingers(t, false)
+	})
 }
 
 // Serial mode needs both: a client that waits for each reply, and flushes.

@@ -102,6 +102,9 @@ type Server struct {
 	// tests set it long, since a loaded machine may stall a request past
 	// 1 ms, and short where a request must hand reading on.
 	serialHandOver atomic.Int64
+	// afterSerialReply, set by tests before serving, runs after each reply
+	// of a serial request, before the next request is read.
+	afterSerialReply func()
 
 	ticks     atomic.Int64 // advanced by watchReplies every ReplyTimeout/4
 	watchOnce sync.Once

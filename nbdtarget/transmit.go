@@ -46,8 +46,8 @@ import (
 // the reader keeps the token through its own request and reads the next
 // one itself, lingering for it on its thread (rawSocket). A request that
 // runs longer than handOverAfter hands the token on (handTokenOn), so one
-// sent meanwhile waits at most that long to be read, and a request found
-// already waiting ends serial mode.
+// sent meanwhile waits at most that long to be read, and a request that
+// had come before the last reply left ends serial mode.
 //
 // At most MaxInFlight goroutines exist per connection. Every request is
 // charged its memory (cost) before it is read any further, against the
@@ -86,6 +86,7 @@ type conn struct {
 	bulkN      int          // the bulk score (see bulk); under rmu
 	bulky      bool         // counted twice in Server.OnActive; under rmu
 	handOver   *time.Timer  // hands the token on for a long serial request
+	replyFirst atomic.Bool  // nothing of the next request had come when the last serial reply left
 	pool       sync.WaitGroup
 	mem        *semaphore.Weighted // MaxInFlightBytes
 
@@ -201,7 +202,10 @@ func (c *conn) work() {
 		if j == nil {
 			return
 		}
-		c.handle(j)
+		c.handle(j, serial)
+		if serial && c.srv.afterSerialReply != nil {
+			c.srv.afterSerialReply()
+		}
 		// Still ours unless handOver has fired and given it up.
 		held = serial && c.handOver.Stop()
 	}
@@ -276,20 +280,27 @@ func (c *conn) socketWaits() uint64 {
 
 // serial reports whether r, just read, is to be run in serial mode, given
 // whether it is alone in flight and the socket's waits before it was read.
-// A request fits when the reader had to wait for it (the client sent it
-// after the last reply, not with it), nothing else of the connection was
-// in flight and no other request is buffered behind it. Serial mode starts at the
-// serialAfter'th fitting request in a row and holds while one of the last
-// flushWindow requests was a flush: without flushes, the device calls do
-// not block long enough for a woken reader to cost more than lingering
-// does (fio's 4k reads at queue depth 1 lost 16-20% in serial mode;
-// docs/architecture.md). The caller holds the token.
+// A request fits when the client sent it after the last reply, not with
+// it, nothing else of the connection was in flight and nothing of the
+// stream is buffered behind it. The client sent it after the reply when
+// the reader had to wait for it or, in serial mode, where the reply goes
+// out before the reader looks, when nothing of it had come as the reply
+// left (replyFirst): a client woken by the reply on the reader's CPU often
+// sends the next request before the reader gets to the socket (fio at
+// queue depth 1 did so for half its requests, which ended serial mode
+// each time). Serial mode starts at the serialAfter'th fitting request in
+// a row and holds while one of the last flushWindow requests was a flush:
+// without flushes, the device calls do not block long enough for a woken
+// reader to cost more than lingering does (fio's 4k reads at queue depth 1
+// lost 16-20% in serial mode; docs/architecture.md). The caller holds the
+// token.
 func (c *conn) serial(alone bool, waits uint64, r *request) bool {
 	rs, ok := c.sock.(*rawSocket)
 	if !ok {
 		return false // no socket to linger on (net.Pipe)
 	}
-	if alone && !c.queued.Load() && rs.waits.Load() != waits {
+	after := c.replyFirst.Swap(false) || rs.waits.Load() != waits
+	if alone && c.br.Buffered() == 0 && after {
 		c.serialN++
 	} else {
 		c.serialN = 0
@@ -534,8 +545,14 @@ func (c *conn) writeStream(j *job) error {
 }
 
 // handle runs one request, accounts for it and replies.
-func (c *conn) handle(j *job) {
+func (c *conn) handle(j *job, serial bool) {
 	c.run(j)
+	if serial {
+		// Whether the client sends the next request before it has this
+		// reply (see conn.serial). The read buffer held nothing of it when
+		// this request was read, and only the token's holder fills it.
+		c.replyFirst.Store(c.sock.(*rawSocket).drained())
+	}
 	if j.errno == 0 && j.req.Type == cmdRead && j.req.Length > MaxPayload {
 		c.readStream(j)
 		c.account(j)
