@@ -19,12 +19,18 @@ import (
 // server reads and writes it (socketIO), and the client end.
 func rawSocketPair(t *testing.T) (*rawSocket, net.Conn) {
 	t.Helper()
-	l, err := net.Listen("unix", filepath.Join(t.TempDir(), "s"))
+	return rawSocketPairOn(t, "unix", filepath.Join(t.TempDir(), "s"))
+}
+
+// rawSocketPairOn is rawSocketPair on network at addr.
+func rawSocketPairOn(t *testing.T, network, addr string) (*rawSocket, net.Conn) {
+	t.Helper()
+	l, err := net.Listen(network, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	client, err := net.Dial("unix", l.Addr().String())
+	client, err := net.Dial(network, l.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,7 +42,7 @@ func rawSocketPair(t *testing.T) (*rawSocket, net.Conn) {
 	t.Cleanup(func() { server.Close() })
 	rs, ok := socketIO(server, rawConn(server)).(*rawSocket)
 	if !ok {
-		t.Fatal("a unix socket is not read through a rawSocket")
+		t.Fatalf("a %s socket is not read through a rawSocket", network)
 	}
 	return rs, client
 }
@@ -229,23 +235,7 @@ func TestRawSocketLingersOnItsThread(t *testing.T) {
 // drained says whether the socket holds bytes no read has taken, on a unix
 // socket and on TCP, and says no once the socket is closed.
 func TestRawSocketDrained(t *testing.T) {
-	tcp := func(t *testing.T) (*rawSocket, net.Conn) {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer l.Close()
-		client, err := net.Dial("tcp", l.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { client.Close() })
-		server, err := l.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return socketIO(server, rawConn(server)).(*rawSocket), client
-	}
+	tcp := func(t *testing.T) (*rawSocket, net.Conn) { return rawSocketPairOn(t, "tcp", "127.0.0.1:0") }
 	for name, pair := range map[string]func(*testing.T) (*rawSocket, net.Conn){"unix": rawSocketPair, "tcp": tcp} {
 		t.Run(name, func(t *testing.T) {
 			rs, client := pair(t)

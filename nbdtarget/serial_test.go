@@ -147,6 +147,19 @@ func (f *serialFix) roundTrip(t *testing.T, typ uint16) {
 	f.answered(t, f.send(typ))
 }
 
+// threeOneAtATime sends a write, a flush and a write, each once the one
+// before is answered, which puts the connection in serial mode from the
+// third, and checks that want requests have run serially by then.
+func (f *serialFix) threeOneAtATime(t *testing.T, want int64) {
+	t.Helper()
+	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, cmdFlush)
+	f.roundTrip(t, cmdWrite)
+	if n := f.serialRequests(); n != want {
+		t.Fatalf("%d serial requests after three more one at a time, want %d", n, want)
+	}
+}
+
 // A client that writes and flushes one request at a time, as fio's
 // --fsync=1 does, is served in serial mode from its third request; a
 // request it sends while a serial flush blocks is still read and answered
@@ -192,12 +205,7 @@ func TestSerialMode(t *testing.T) {
 
 	// Back to one at a time: serial again from the third.
 	f.srv.serialHandOver.Store(int64(time.Hour))
-	f.roundTrip(t, cmdWrite)
-	f.roundTrip(t, cmdFlush)
-	f.roundTrip(t, cmdWrite)
-	if n := f.serialRequests(); n != 9 {
-		t.Fatalf("%d serial requests after three more one at a time, want 9", n)
-	}
+	f.threeOneAtATime(t, 9)
 	f.lingers(t, true)
 }
 
@@ -209,12 +217,7 @@ func TestSerialModeLateRead(t *testing.T) {
 	serial := func(t *testing.T) *serialFix {
 		f := newSerialFix(t)
 		f.srv.serialHandOver.Store(int64(time.Hour))
-		f.roundTrip(t, cmdWrite)
-		f.roundTrip(t, cmdFlush)
-		f.roundTrip(t, cmdWrite)
-		if n := f.serialRequests(); n != 1 {
-			t.Fatalf("%d serial requests after three one at a time, want 1", n)
-		}
+		f.threeOneAtATime(t, 1)
 		return f
 	}
 	t.Run("sent after the reply", func(t *testing.T) {
