@@ -544,13 +544,18 @@ func (c *conn) writeStream(j *job) error {
 	return nil
 }
 
-// handle runs one request, accounts for it and replies.
+// handle runs one request, accounts for it and replies; for a request in
+// serial mode it first notes whether the client has begun to send the
+// next one (replyFirst, see conn.serial).
 func (c *conn) handle(j *job, serial bool) {
 	c.run(j)
 	if serial {
-		// Whether the client sends the next request before it has this
-		// reply (see conn.serial). The read buffer held nothing of it when
-		// this request was read, and only the token's holder fills it.
+		// The read buffer held nothing of the stream when this request was
+		// read, and only the token's holder fills it, so the socket is
+		// where the next request would be. (Over TLS crypto/tls may hold
+		// the start of a record read with this one; a request sent so
+		// counts as sent after the reply, which costs it at most being
+		// read once this reply has left.)
 		c.replyFirst.Store(c.sock.(*rawSocket).drained())
 	}
 	if j.errno == 0 && j.req.Type == cmdRead && j.req.Length > MaxPayload {
