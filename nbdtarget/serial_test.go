@@ -212,7 +212,8 @@ func TestSerialMode(t *testing.T) {
 // A client that sends each request once it has the reply before stays in
 // serial mode when its request is in the socket before the server's reader
 // gets there (the client ran first after the reply), and leaves it when it
-// sent the request while the one before ran.
+// sent the request while the one before ran, or began to send it with the
+// one before.
 func TestSerialModeLateRead(t *testing.T) {
 	serial := func(t *testing.T) *serialFix {
 		f := newSerialFix(t)
@@ -256,6 +257,20 @@ func TestSerialModeLateRead(t *testing.T) {
 		f.answered(t, f.h)
 		if n := f.serialRequests(); n != 2 {
 			t.Fatalf("the write sent beside the flush ran serially (%d serial requests, want 2)", n)
+		}
+		f.lingers(t, false)
+	})
+	t.Run("sent with part of the next", func(t *testing.T) {
+		f := serial(t)
+		flush := f.encode(cmdFlush)
+		write := f.encode(cmdWrite)
+		nbdtest.Until(t, "the server to wait for the flush", func() bool { return f.waits() > f.waited })
+		f.c.write(append(flush, write[:requestSize/2]...))
+		f.answered(t, f.h-1)
+		f.c.write(write[requestSize/2:])
+		f.answered(t, f.h)
+		if n := f.serialRequests(); n != 1 {
+			t.Fatalf("a flush sent with half the next header, or that write, ran serially (%d serial requests, want 1)", n)
 		}
 		f.lingers(t, false)
 	})
