@@ -3,6 +3,7 @@ package nbdtarget
 import (
 	"fmt"
 	"net"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -35,16 +36,25 @@ func (c countingConn) Write(p []byte) (int, error) {
 
 // Requests that arrive together are answered together: with one worker,
 // which runs them one after another, the replies to 32 reads sent in one
-// write (all of them fitting the 64 KiB write buffer) wait in it until the
-// last read is in hand, then go out in one write (and the last reply in
-// another).
+// write (a queue depth at which replies are held, holdWindow; all of them
+// fitting the 64 KiB write buffer) wait in it until the last read is in
+// hand, then go out in one write (and the last reply in another).
 func TestRepliesBatched(t *testing.T) {
 	srv := &countingServer{Server: &Server{MaxInFlight: 1}}
 	f := newTFixOn(t, srv.Server, srv)
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
+	const n = 2 * holdWindow
+	if w := sendTogether(t, srv, c, n); w > 2 {
+		t.Errorf("%d replies took %d writes, want at most 2", n, w)
+	}
+}
+
+// sendTogether sends n reads of 512 bytes in one write and takes their
+// replies, returning the writes the server made for them.
+func sendTogether(t *testing.T, srv *countingServer, c *rawClient, n int) int64 {
+	t.Helper()
 	before := srv.writes.Load()
-	const n = 32
 	var reqs []byte
 	for h := range uint64(n) {
 		reqs = encodeRequest(reqs, request{Type: cmdRead, Handle: h, Offset: offA, Length: 512})
@@ -55,31 +65,89 @@ func TestRepliesBatched(t *testing.T) {
 			t.Fatalf("read: errno %d", e)
 		}
 	}
-	if w := srv.writes.Load() - before; w > 2 {
-		t.Errorf("%d replies took %d writes, want at most 2", n, w)
+	return srv.writes.Load() - before
+}
+
+// A client with fewer than holdWindow requests in flight gets every reply
+// at once, even for requests it sent together, unless the connections
+// outnumber the Ps: then the writes saved are CPU for the others.
+func TestRepliesNotHeldForShallowClient(t *testing.T) {
+	const n = holdWindow / 2
+	t.Run("alone", func(t *testing.T) {
+		srv := &countingServer{Server: &Server{MaxInFlight: 1}}
+		f := newTFixOn(t, srv.Server, srv)
+		c := dialRaw(t, f.sock)
+		c.connect("t", false, false)
+		if w := sendTogether(t, srv, c, n); w != n {
+			t.Errorf("%d replies took %d writes, want %d", n, w, n)
+		}
+	})
+	t.Run("crowded", func(t *testing.T) {
+		srv := &countingServer{Server: &Server{MaxInFlight: 1}}
+		f := newTFixOn(t, srv.Server, srv)
+		for range runtime.GOMAXPROCS(0) {
+			dialRaw(t, f.sock).connect("t", false, false)
+		}
+		c := dialRaw(t, f.sock)
+		c.connect("t", false, false)
+		nbdtest.Until(t, "the server to count the connections", srv.crowded.Load)
+		if w := sendTogether(t, srv, c, n); w > 2 {
+			t.Errorf("%d replies took %d writes, want at most 2", n, w)
+		}
+	})
+}
+
+// The queue depth estimate is the most requests in hand over the last one
+// or two epochs: it rises at once and falls within two epochs.
+func TestWindow(t *testing.T) {
+	var w window
+	for range windowEpoch - 1 {
+		w.note(4)
+	}
+	w.note(32)
+	if d := w.depth(); d != 32 {
+		t.Fatalf("depth %d after a 32 ended the first epoch, want 32", d)
+	}
+	for i := range windowEpoch {
+		w.note(8)
+		if d := w.depth(); d != 32 && i < windowEpoch-1 {
+			t.Fatalf("depth %d after %d requests at 8 in the epoch after a 32, want 32", d, i+1)
+		}
+	}
+	if d := w.depth(); d != 8 {
+		t.Fatalf("depth %d after a whole epoch at 8, want 8", d)
 	}
 }
 
 // A reply is held back only while the connection has another request in
 // hand, never while that request runs or the server waits for the client.
-// With one worker, a read sent together with one that blocks in its device
-// runs first and its reply waits for the second to be read: it must go out
-// before the second runs. A read sent alone, while another blocks, is
-// answered at once.
+// With one worker, reads sent together with one that blocks in its device
+// (as many as holdWindow, so that replies are held) run first and their
+// replies wait for the last to be read: they must go out before it runs. A
+// read sent alone, while another blocks, is answered at once.
 func TestRepliesNotHeldBehindSlowRequest(t *testing.T) {
 	t.Run("sent together", func(t *testing.T) {
 		f := newTFix(t, &Server{MaxInFlight: 1})
 		open := opener(t, f.gate)
 		c := dialRaw(t, f.sock)
 		c.connect("t", false, false)
-		reqs := encodeRequest(nil, request{Type: cmdRead, Handle: 1, Offset: offA, Length: 4096})
-		reqs = encodeRequest(reqs, request{Type: cmdRead, Handle: 2, Offset: offGate, Length: 4096})
+		const gated = holdWindow
+		var reqs []byte
+		for h := uint64(1); h <= gated; h++ {
+			off := uint64(offA)
+			if h == gated {
+				off = offGate
+			}
+			reqs = encodeRequest(reqs, request{Type: cmdRead, Handle: h, Offset: off, Length: 4096})
+		}
 		c.write(reqs)
-		if h, e, _ := c.simple(4096); h != 1 || e != 0 {
-			t.Fatalf("reply handle %d errno %d, want the fast read's while the other is blocked", h, e)
+		for want := uint64(1); want < gated; want++ {
+			if h, e, _ := c.simple(4096); h != want || e != 0 {
+				t.Fatalf("reply handle %d errno %d, want %d's while the last read is blocked", h, e, want)
+			}
 		}
 		open()
-		if h, e, _ := c.simple(4096); h != 2 || e != 0 {
+		if h, e, _ := c.simple(4096); h != gated || e != 0 {
 			t.Fatalf("gated read: handle %d errno %d", h, e)
 		}
 	})

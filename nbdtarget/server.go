@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -92,6 +93,9 @@ type Server struct {
 	OnActive func(conns int)
 	activeMu sync.Mutex
 	active   int
+	// crowded: more connections transmit (as OnActive counts them) than
+	// there are Ps to run them, so the CPU is what they wait for.
+	crowded atomic.Bool
 
 	initOnce sync.Once
 	exports  atomic.Pointer[[]*Export] // Exports, then as AddExport and RemoveExport leave it
@@ -155,16 +159,16 @@ func (s *Server) watchReplies() {
 	}
 }
 
-// activeChanged adds d to the connections in transmission and tells
-// OnActive.
+// activeChanged adds d to the connections in transmission, tells
+// OnActive and notes whether they now outnumber the Ps (crowded).
 func (s *Server) activeChanged(d int) {
-	if s.OnActive == nil {
-		return
-	}
 	s.activeMu.Lock()
 	defer s.activeMu.Unlock()
 	s.active += d
-	s.OnActive(s.active)
+	if s.OnActive != nil {
+		s.OnActive(s.active)
+	}
+	s.crowded.Store(s.active > runtime.GOMAXPROCS(0))
 }
 
 // Defaults for the Server's limits.
