@@ -417,9 +417,10 @@ func (c *conn) read() *job {
 // the client cannot act on, and a client with few requests in flight that
 // gets its replies in bursts sleeps between them, sends its next requests
 // in bursts in turn, and the two sides end up taking turns, each woken
-// from sleep (15-20 µs on a VM) for every burst. fio at queue depth 8 and
-// 4k random reads made 124,000 IOPS with replies held and 186,000 without;
-// at queue depth 32, 192,000 with and 177,000 without (docs/benchmarks.md).
+// from sleep (17 µs on the VM measured) for every burst. fio's 4k random
+// reads at queue depth 8 made 121,224 IOPS with replies held and 161,363
+// without; at queue depth 32, 173,279 with and 164,168 without
+// (docs/benchmarks.md, "Replies held for deep queues only").
 const (
 	// holdWindow is the least queue depth (window.depth) at which replies
 	// are held.
