@@ -53,16 +53,28 @@ func TestRepliesBatched(t *testing.T) {
 // sendTogether sends n reads of 512 bytes in one write and takes their
 // replies, returning the writes the server made for them.
 func sendTogether(t *testing.T, srv *countingServer, c *rawClient, n int) int64 {
+	return sendTogetherOf(t, srv, c, cmdRead, n)
+}
+
+// sendTogetherOf is sendTogether for reads or for writes of 4 KiB.
+func sendTogetherOf(t *testing.T, srv *countingServer, c *rawClient, typ uint16, n int) int64 {
 	t.Helper()
 	before := srv.writes.Load()
+	length, data := 512, 512
+	if typ == cmdWrite {
+		length, data = 4096, 0
+	}
 	var reqs []byte
 	for h := range uint64(n) {
-		reqs = encodeRequest(reqs, request{Type: cmdRead, Handle: h, Offset: offA, Length: 512})
+		reqs = encodeRequest(reqs, request{Type: typ, Handle: h, Offset: offA, Length: uint32(length)})
+		if typ == cmdWrite {
+			reqs = append(reqs, make([]byte, length)...)
+		}
 	}
 	c.write(reqs)
 	for range n {
-		if _, e, _ := c.simple(512); e != 0 {
-			t.Fatalf("read: errno %d", e)
+		if _, e, _ := c.simple(data); e != 0 {
+			t.Fatalf("request type %d: errno %d", typ, e)
 		}
 	}
 	return srv.writes.Load() - before
@@ -73,15 +85,18 @@ func sendTogether(t *testing.T, srv *countingServer, c *rawClient, n int) int64 
 // outnumber the Ps: then the writes saved are CPU for the others.
 func TestRepliesNotHeldForShallowClient(t *testing.T) {
 	const n = holdWindow / 2
-	t.Run("alone", func(t *testing.T) {
-		srv := &countingServer{Server: &Server{MaxInFlight: 1}}
-		f := newTFixOn(t, srv.Server, srv)
-		c := dialRaw(t, f.sock)
-		c.connect("t", false, false)
-		if w := sendTogether(t, srv, c, n); w != n {
-			t.Errorf("%d replies took %d writes, want %d", n, w, n)
-		}
-	})
+	for _, typ := range []uint16{cmdRead, cmdWrite} {
+		// Writes: the buffered requests are counted by their payloads too.
+		t.Run(fmt.Sprintf("alone, type %d", typ), func(t *testing.T) {
+			srv := &countingServer{Server: &Server{MaxInFlight: 1}}
+			f := newTFixOn(t, srv.Server, srv)
+			c := dialRaw(t, f.sock)
+			c.connect("t", false, false)
+			if w := sendTogetherOf(t, srv, c, typ, n); w != n {
+				t.Errorf("%d replies took %d writes, want %d", n, w, n)
+			}
+		})
+	}
 	t.Run("crowded", func(t *testing.T) {
 		srv := &countingServer{Server: &Server{MaxInFlight: 1}}
 		f := newTFixOn(t, srv.Server, srv)

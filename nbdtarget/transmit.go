@@ -445,8 +445,9 @@ func (c *conn) holdPays(r *request) bool {
 }
 
 // window estimates a client's queue depth from the requests the server
-// holds each time the reader takes one (those read and not yet answered,
-// this one and the whole ones buffered behind it): the most seen over the
+// holds each time the reader takes one with more buffered behind it (those
+// read and not yet answered, this one and the whole ones buffered behind
+// it; only then could a reply be held): the most seen over the
 // last one or two epochs of windowEpoch requests. A client waiting for
 // replies has all its requests at the server, so the most seen over a few
 // hundred requests is its queue depth, and the estimate follows a change
