@@ -388,6 +388,7 @@ func (s *Server) newConn(nc net.Conn) *conn {
 		s.conns = make(map[*conn]struct{})
 	}
 	raw := rawConn(nc)
+	growSendBuffer(nc, raw)
 	sock := socketIO(nc, raw)
 	c := &conn{
 		srv:  s,

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -290,4 +292,26 @@ func TestPipePoolNoRoom(t *testing.T) {
 	}
 	pp.put(p)
 	pp.put(spare)
+}
+
+// A unix socket takes a whole 1 MiB spliced reply at once (unixSendBuffer):
+// the splice completes while the client has read nothing yet, instead of
+// waiting for it to drain each 208 KiB.
+func TestUnixSocketTakesWholeReply(t *testing.T) {
+	if b, err := os.ReadFile("/proc/sys/net/core/wmem_max"); err != nil {
+		t.Skip(err)
+	} else if n, err := strconv.Atoi(strings.TrimSpace(string(b))); err != nil || n < unixSendBuffer {
+		t.Skipf("net.core.wmem_max is %s, below %d: the kernel caps the send buffer there", strings.TrimSpace(string(b)), unixSendBuffer)
+	}
+	data := pattern(2<<20, 5)
+	srv := &Server{Exports: []*Export{newExport(t, "f", seg{len: 2 << 20, dev: fileDev(t, "f.img", data, 2<<20)})}}
+	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
+	c.connect("f", false, false)
+	c.request(cmdRead, 0, 1, 0, spliceMax, nil)
+	nbdtest.Until(t, "the whole reply in the socket with nothing read", func() bool {
+		return srv.Stats().Exports[0].ReadSplicedBytes == spliceMax
+	})
+	if _, errno, got := c.simple(spliceMax); errno != 0 || !bytes.Equal(got, data[:spliceMax]) {
+		t.Fatalf("reply: errno %d, or other bytes than the file's", errno)
+	}
 }
