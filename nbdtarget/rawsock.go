@@ -162,8 +162,8 @@ func readable(fd uintptr, d time.Duration) bool {
 // largest spliced reply (spliceMax and its header) at once. A unix socket
 // gets net.core.wmem_default, 208 KiB on Linux, and takes a 1 MiB reply
 // in five pieces, each a wait in the poller for the client to drain the
-// last and a wake-up across CPUs; fio's 1M reads at queue depth 8 made
-// 2,748 MiB/s so and 9,947 with this (docs/benchmarks.md, "A unix socket's
+// last and a wake-up; fio's 1M reads at queue depth 8 made 2,748 MiB/s
+// with the default and 9,947 with this (docs/benchmarks.md, "A unix socket's
 // send buffer"). TCP sockets are left alone: Linux grows their buffers as
 // the connection needs, up to net.ipv4.tcp_wmem's limit (4 MiB by
 // default), and a buffer set by hand would end that. The kernel doubles
