@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs one fio workload against several nbdmapper binaries (and nbdkit, as
-# a reference), one after another in every round, each on a fresh synced
-# copy of the same written file: what peers.sh does for servers, done for
-# builds, so that two versions are compared under the same machine load.
+# a reference), one after another in every round (the order rotating from
+# round to round), each on a fresh synced copy of the same written file:
+# what peers.sh does for servers, done for builds, so that two versions are
+# compared under the same machine load.
 #
 #   bench/builds.sh "FIO ARGS" [ROUNDS] BINARY|nbdkit...
 #
@@ -31,9 +32,14 @@ bench_setup builds fio nbdkit python3
 bench_machine | tee "$out/machine.md"
 echo "file: ${STATE:-written}" | tee -a "$out/machine.md"
 dd if=/dev/urandom of="$work/written.img" bs=1M count=1024 status=none
+sync "$work/written.img" # not written back under the first runs
 sock=$work/s
+n=${#bins[@]}
 for round in $(seq "$rounds"); do
-	for i in "${!bins[@]}"; do
+	# Rotate: round 1 starts with the first binary, round 2 with the
+	# second, ..., so that no binary always runs first.
+	for k in $(seq 0 $((n - 1))); do
+		i=$(((k + round - 1) % n))
 		b=${bins[$i]}
 		rm -f "$work/d.img"
 		if [ "${STATE:-written}" = sparse ]; then
