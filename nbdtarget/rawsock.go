@@ -159,18 +159,18 @@ func readable(fd uintptr, d time.Duration) bool {
 }
 
 // unixSendBuffer is the send buffer asked of a unix socket: room for the
-// largest spliced reply (spliceMax and its header) at once. A unix socket
-// gets net.core.wmem_default, 208 KiB on Linux, and takes a 1 MiB reply
-// in five pieces, each a wait in the poller for the client to drain the
+// largest spliced reply at once (the kernel doubles what is asked, which
+// covers the header and its own bookkeeping). A unix socket gets
+// net.core.wmem_default, 208 KiB on Linux, and takes a 1 MiB reply in
+// about five pieces, each a wait in the poller for the client to drain the
 // last and a wake-up; fio's 1M reads at queue depth 8 made 2,748 MiB/s
 // with the default and 9,947 with this (docs/benchmarks.md, "A unix socket's
 // send buffer"). TCP sockets are left alone: Linux grows their buffers as
 // the connection needs, up to net.ipv4.tcp_wmem's limit (4 MiB by
-// default), and a buffer set by hand would end that. The kernel doubles
-// the value for its own bookkeeping and caps it at net.core.wmem_max. It is
-// a bound, not an allocation: a socket holds only what is waiting for the
-// client, and a client that takes no reply is closed after ReplyTimeout.
-const unixSendBuffer = 1 << 20
+// default), and a buffer set by hand would end that. The kernel caps it
+// at net.core.wmem_max. It is a bound, not an allocation: a socket holds only what is waiting for the client, and a
+// client that takes no reply is closed after ReplyTimeout.
+const unixSendBuffer = spliceMax
 
 // growSendBuffer raises a unix socket's send buffer to unixSendBuffer if
 // it is smaller; a failure leaves the socket as it was, which costs only
