@@ -17,9 +17,13 @@
 # STATES is "written sparse" by default: the state of the file each peer
 # starts from. written: every byte written (a synced copy of one random
 # file made at the start); sparse: a fresh file with no blocks at all, as a
-# new VM image is. Every peer gets its own fresh file in each state in each round,
-# so none inherits another's writes or trims. Reads run first, then writes,
-# then trims, so the read rows of a sparse file read holes.
+# new VM image is. Every row of every peer starts a fresh server on a fresh
+# file in its state, so that no run inherits what another left behind: not
+# another peer's writes or trims, and not its own earlier rows' page cache or
+# write-back (on a sparse file, a peer that reads holes through the page
+# cache leaves zero pages that its write rows then skip allocating; one that
+# answers them as hole chunks leaves none). Each row runs for every peer
+# before the next row starts.
 #
 # Every peer does the same work for each request: qemu-nbd runs with
 # --discard=unmap, since by default it answers a trim without passing it to
@@ -35,7 +39,7 @@
 # the best other peer (throughput: higher is better; CPU: lower is better).
 #
 # PROFILE=1 also writes a Go CPU profile of each nbdmapper run to
-# bench/results/.../nbdmapper-SET-STATE-ROUND.pprof.
+# bench/results/.../nbdmapper-SET-STATE-ROW-ROUND.pprof.
 #
 # PEERS="..." picks the peers (default: nbdmapper nbdkit qemu-nbd); the
 # peer nbdmapper-nomap is the same binary with --hole-map=false, which reads
@@ -74,9 +78,9 @@ fresh_disk() {
 	echo "$disk"
 }
 
-# profile_flag SET STATE ROUND: nbdmapper's --cpuprofile, when PROFILE=1.
+# profile_flag SET STATE ROUND ROW: nbdmapper's --cpuprofile, when PROFILE=1.
 profile_flag() {
-	[ "${PROFILE:-0}" = 1 ] && echo "--cpuprofile=$PWD/$out/nbdmapper-$1-$2-$3.pprof"
+	[ "${PROFILE:-0}" = 1 ] && echo "--cpuprofile=$PWD/$out/nbdmapper-$1-$2-$4-$3.pprof"
 	return 0
 }
 
@@ -188,40 +192,49 @@ read -r -a rows <<<"${ROWS:-${!workloads[*]}}"
 [[ " $sets " != *" tls "* ]] || make_pki "$work/pki"
 port=$((20000 + RANDOM % 20000))
 
+# run_row ROUND SET STATE ROW PEER: workload ROW against PEER, freshly
+# started on a fresh file in STATE, with the server's CPU time around it.
+run_row() {
+	local round=$1 set=$2 state=$3 i=$4 peer=$5 disk prof="" uri run base args
+	disk=$(fresh_disk "$state" "$peer")
+	[ "$peer" = nbdmapper ] && prof=$(profile_flag "$set" "$state" "$round" "$i")
+	if [ "$set" = tls ]; then
+		port=$((port + 1))
+		start_tls_peer "$peer" "$port" "$disk" "$prof"
+		uri="nbds://127.0.0.1:$port/bench"
+		run=fio_tls
+	else
+		local sock=$work/$peer.sock
+		rm -f "$sock"
+		start_peer "$peer" "$sock" "$disk" "$prof"
+		uri="nbd+unix:///bench?socket=$sock"
+		run=fio
+	fi
+	args=${workloads[$i]#*|}
+	base=$out/$set-$state-$peer-$i-$round
+	cpu_ticks "$peer_pid" >"$base.cpu0"
+	# shellcheck disable=SC2086
+	$run --name=w$i --ioengine=nbd "--uri=$uri" $args \
+		--size="${size_mib}M" --time_based --runtime="$runtime" \
+		--group_reporting --output-format=json >"$base.json"
+	cpu_ticks "$peer_pid" >"$base.cpu1"
+	kill -INT "$peer_pid"
+	wait "$peer_pid" || true
+	# The file's dirty pages go with it; sync waits for the journal commit
+	# that frees its blocks (and, with online discard, discards them).
+	rm -f "$disk"
+	sync -f "$work"
+}
+
 for round in $(seq "$rounds"); do
 	# Rotate: round 1 starts with nbdmapper, round 2 with nbdkit, ...
 	order=("${peers[@]:$(((round - 1) % ${#peers[@]}))}" "${peers[@]:0:$(((round - 1) % ${#peers[@]}))}")
 	for set in $sets; do
 		for state in $states; do
-			for peer in "${order[@]}"; do
-				disk=$(fresh_disk "$state" "$peer")
-				prof=""
-				[ "$peer" = nbdmapper ] && prof=$(profile_flag "$set" "$state" "$round")
-				if [ "$set" = tls ]; then
-					port=$((port + 1))
-					start_tls_peer "$peer" "$port" "$disk" "$prof"
-					uri="nbds://127.0.0.1:$port/bench"
-					run=fio_tls
-				else
-					sock=$work/$peer.sock
-					rm -f "$sock"
-					start_peer "$peer" "$sock" "$disk" "$prof"
-					uri="nbd+unix:///bench?socket=$sock"
-					run=fio
-				fi
-				for i in "${rows[@]}"; do
-					args=${workloads[$i]#*|}
-					base=$out/$set-$state-$peer-$i-$round
-					cpu_ticks "$peer_pid" >"$base.cpu0"
-					# shellcheck disable=SC2086
-					$run --name=w$i --ioengine=nbd "--uri=$uri" $args \
-						--size="${size_mib}M" --time_based --runtime="$runtime" \
-						--group_reporting --output-format=json >"$base.json"
-					cpu_ticks "$peer_pid" >"$base.cpu1"
+			for i in "${rows[@]}"; do
+				for peer in "${order[@]}"; do
+					run_row "$round" "$set" "$state" "$i" "$peer"
 				done
-				kill -INT "$peer_pid"
-				wait "$peer_pid" || true
-				rm -f "$disk"
 			done
 		done
 	done
