@@ -14,7 +14,7 @@
 # certificate in libnbd's default directory: $HOME/.pki/libnbd for a fresh
 # HOME, running as nobody when run as root (root's is /etc/pki/libnbd).
 #
-# STATES is "written sparse" by default: the state of the file each peer
+# STATES is "written sparse" by default: the state of the file each row
 # starts from. written: every byte written (a synced copy of one random
 # file made at the start); sparse: a fresh file with no blocks at all, as a
 # new VM image is. Every row of every peer starts a fresh server on a fresh
@@ -78,9 +78,9 @@ fresh_disk() {
 	echo "$disk"
 }
 
-# profile_flag SET STATE ROUND ROW: nbdmapper's --cpuprofile, when PROFILE=1.
+# profile_flag SET STATE ROW ROUND: nbdmapper's --cpuprofile, when PROFILE=1.
 profile_flag() {
-	[ "${PROFILE:-0}" = 1 ] && echo "--cpuprofile=$PWD/$out/nbdmapper-$1-$2-$4-$3.pprof"
+	[ "${PROFILE:-0}" = 1 ] && echo "--cpuprofile=$PWD/$out/nbdmapper-$1-$2-$3-$4.pprof"
 	return 0
 }
 
@@ -197,7 +197,7 @@ port=$((20000 + RANDOM % 20000))
 run_row() {
 	local round=$1 set=$2 state=$3 i=$4 peer=$5 disk prof="" uri run base args
 	disk=$(fresh_disk "$state" "$peer")
-	[ "$peer" = nbdmapper ] && prof=$(profile_flag "$set" "$state" "$round" "$i")
+	[ "$peer" = nbdmapper ] && prof=$(profile_flag "$set" "$state" "$i" "$round")
 	if [ "$set" = tls ]; then
 		port=$((port + 1))
 		start_tls_peer "$peer" "$port" "$disk" "$prof"
