@@ -14,7 +14,10 @@
 # socket (EXTRA="--procs=2" adds flags to every one; STATE=sparse serves a
 # fresh sparse file instead of the written one); fio's nbd engine runs
 # RUNTIME seconds (default 5). Prints each run, then per binary the median
-# IOPS, MiB/s and server CPU (user + system, from /proc) per request in µs.
+# IOPS, MiB/s, server CPU (user + system, from /proc) per request in µs,
+# and the machine's CPU per request: every process but fio's (task_ticks
+# in bench/lib.sh), so that work the server hands to kernel threads counts
+# too.
 # Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,10 +63,12 @@ for round in $(seq "$rounds"); do
 		wait_socket "$sock" "$pid" "$out/$i.log"
 		base=$out/$i-$round
 		cpu_ticks "$pid" >"$base.cpu0"
+		task_ticks >"$base.all0"
 		# shellcheck disable=SC2086
 		fio --name=b --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" $spec --size=1024M \
 			--time_based --runtime="${RUNTIME:-5}" --output-format=json >"$base.json"
 		cpu_ticks "$pid" >"$base.cpu1"
+		task_ticks >"$base.all1"
 		kill -INT "$pid"
 		wait "$pid" || true
 	done
@@ -72,8 +77,10 @@ echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/
 python3 - "$out" "$rounds" "$(getconf CLK_TCK)" "${bins[@]}" <<'PY' | tee "$out/table.md"
 import json, statistics, sys
 out, rounds, hz, bins = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-print("| binary | IOPS | MiB/s | CPU µs per request |")
-print("|---|---|---|---|")
+def tasks(path):
+    return dict(map(int, line.split()) for line in open(path))
+print("| binary | IOPS | MiB/s | CPU µs per request | machine CPU µs per request |")
+print("|---|---|---|---|---|")
 for i, b in enumerate(bins):
     runs = []
     for r in range(1, rounds + 1):
@@ -83,8 +90,10 @@ for i, b in enumerate(bins):
         side = max((job[k] for k in ("read", "write", "trim")), key=lambda s: s["io_bytes"])
         ios = sum(job[k]["total_ios"] for k in ("read", "write", "trim", "sync"))
         ticks = int(open(f"{base}.cpu1").read()) - int(open(f"{base}.cpu0").read())
-        runs.append((side["iops"], side["bw_bytes"] / 2**20, ticks / hz / ios * 1e6))
-        print(f"  round {r} {b.split('/')[-1]}: {runs[-1][0]:.0f} IOPS, {runs[-1][1]:.0f} MiB/s, {runs[-1][2]:.2f} µs", file=sys.stderr)
-    med = [statistics.median(x[k] for x in runs) for k in range(3)]
-    print(f"| {b.split('/')[-1]} | {med[0]:.0f} | {med[1]:.0f} | {med[2]:.2f} |")
+        t0, t1 = tasks(f"{base}.all0"), tasks(f"{base}.all1")
+        machine = sum(v - t0.get(t, 0) for t, v in t1.items())
+        runs.append((side["iops"], side["bw_bytes"] / 2**20, ticks / hz / ios * 1e6, machine / hz / ios * 1e6))
+        print(f"  round {r} {b.split('/')[-1]}: {runs[-1][0]:.0f} IOPS, {runs[-1][1]:.0f} MiB/s, {runs[-1][2]:.2f} µs, machine {runs[-1][3]:.2f} µs", file=sys.stderr)
+    med = [statistics.median(x[k] for x in runs) for k in range(4)]
+    print(f"| {b.split('/')[-1]} | {med[0]:.0f} | {med[1]:.0f} | {med[2]:.2f} | {med[3]:.2f} |")
 PY

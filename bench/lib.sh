@@ -10,6 +10,7 @@
 #                              if it exits first, prints LOG and fails.
 #   bench_machine              prints the machine, tools and load average.
 #   cpu_ticks PID              prints PID's user + system CPU in clock ticks.
+#   task_ticks                 prints every process's user + system CPU in clock ticks.
 #   guest_rounds TAG           sums up a guest log's per-round result lines.
 
 bench_setup() {
@@ -59,6 +60,21 @@ cpu_ticks() {
 	# Fields 14 and 15 of /proc/PID/stat, counted after the command name,
 	# which is in parentheses and may contain spaces.
 	sed 's/.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
+}
+
+# task_ticks: a line "PID TICKS" for every process on the machine, kernel
+# threads included: user + system CPU, in clock ticks, a process's exited
+# threads included. The difference of two snapshots, over the processes
+# alive at the second, is what the machine spent between them on all but
+# processes that ended in between (fio, started after the first and gone
+# before the second, is not in it): the server and the kernel's worker
+# threads that run work on its behalf, such as a sync queued to a
+# workqueue, which the server's own figure does not include.
+task_ticks() {
+	local p
+	for p in /proc/[0-9]*; do
+		sed 's/.*) //' "$p/stat" 2>/dev/null | awk -v p="${p##*/}" '{print p, $12 + $13}'
+	done
 }
 
 # guest_rounds TAG: reads a guest's log on stdin, whose result lines are
