@@ -111,6 +111,9 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 		if !c.noZeroes {
 			b = append(b, make([]byte, exportNamePad)...)
 		}
+		if !c.join(x) {
+			return nil, fmt.Errorf("%w %q (removed)", errNoExport, data)
+		}
 		if _, err := c.bw.Write(b); err != nil {
 			return nil, err
 		}
@@ -214,6 +217,9 @@ func (c *conn) optInfo(id uint32, data []byte) (*Export, error) {
 		if err := c.optReply(id, repInfo, b); err != nil {
 			return nil, err
 		}
+	}
+	if id == optGo && !c.join(x) {
+		return nil, c.optReply(id, repErrUnknown, []byte("export removed"))
 	}
 	if err := c.optReply(id, repAck, nil); err != nil {
 		return nil, err

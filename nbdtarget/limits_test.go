@@ -378,6 +378,52 @@ func TestLongWalksReachEveryExtent(t *testing.T) {
 // is served at once; removing one with a client connected is refused,
 // unless forced, which lets the request in flight finish and reply and then
 // closes the connection.
+// TestExportBusyOnceGoAnswered: a client that has GO's ACK is in
+// transmission, so the export is busy from that reply on, not from some
+// moment after it. Checked straight after the ACK, many times over, since
+// the window it closes was a few instructions wide.
+func TestExportBusyOnceGoAnswered(t *testing.T) {
+	f := newTFix(t, nil)
+	extra := newExport(t, "extra", seg{len: 64 * kb, dev: backing.NewMem("e", 64*kb)})
+	if err := f.srv.AddExport(extra); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 1000 {
+		c := dialRaw(t, f.sock)
+		c.connect("extra", false, false)
+		if n := extra.st.conns.Load(); n != 1 {
+			t.Fatalf("round %d: GO answered, %d connections counted", i, n)
+		}
+		if _, err := f.srv.RemoveExport("extra", false); !errors.Is(err, ErrExportBusy) {
+			t.Fatalf("round %d: removing the export just after GO: %v", i, err)
+		}
+		c.nc.Close()
+		for extra.st.conns.Load() != 0 {
+			runtime.Gosched()
+		}
+	}
+}
+
+// TestJoinRemovedExport: an export removed between the handshake's lookup
+// and its last reply is not joined, and nothing is counted into it.
+func TestJoinRemovedExport(t *testing.T) {
+	f := newTFix(t, nil)
+	extra := newExport(t, "extra", seg{len: 64 * kb, dev: backing.NewMem("e", 64*kb)})
+	if err := f.srv.AddExport(extra); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.srv.RemoveExport("extra", false); err != nil {
+		t.Fatal(err)
+	}
+	c := &conn{srv: f.srv}
+	if c.join(extra) {
+		t.Fatal("joined a removed export")
+	}
+	if c.st != nil || extra.st.conns.Load() != 0 {
+		t.Fatalf("a refused join counted: st %v, %d connections", c.st, extra.st.conns.Load())
+	}
+}
+
 func TestAddRemoveExport(t *testing.T) {
 	f := newTFix(t, nil)
 	extra := newExport(t, "extra", seg{len: 64 * kb, dev: backing.NewMem("e", 64*kb)})

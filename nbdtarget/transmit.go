@@ -113,6 +113,9 @@ func (c *conn) serve() {
 	defer c.close()
 	c.nc.SetDeadline(time.Now().Add(c.srv.handshakeTimeout()))
 	x, err := c.handshake()
+	if c.st != nil {
+		defer c.left() // joined in the handshake, whatever came after
+	}
 	if err == nil {
 		// Cleared before stopped is read, so a Shutdown that races with the
 		// end of the handshake either sees the connection stopped or sets
@@ -135,22 +138,27 @@ func (c *conn) serve() {
 		}
 		return
 	}
-	c.srv.mu.Lock()
-	c.x, c.st = x, &x.st
-	if x.removed.Load() {
-		// Chosen in the handshake just before RemoveExport took it out.
-		c.srv.mu.Unlock()
-		return
-	}
-	c.st.conns.Add(1)
-	c.srv.mu.Unlock()
 	c.st.connsTotal.Add(1)
-	c.srv.activeChanged(1)
-	defer c.left()
 	c.log = c.log.With("export", x.Name)
 	c.log.Debug("nbd transmission", "structured", c.structured, "meta", c.meta)
 	c.transmitting = true
 	c.transmit()
+}
+
+// join counts the connection into x before the reply that starts its
+// transmission goes out, so that a RemoveExport after the client has that
+// reply finds the export busy. It is false when RemoveExport has taken x
+// out since the handshake looked it up.
+func (c *conn) join(x *Export) bool {
+	c.srv.mu.Lock()
+	defer c.srv.mu.Unlock()
+	if x.removed.Load() {
+		return false
+	}
+	c.x, c.st = x, &x.st
+	c.st.conns.Add(1)
+	c.srv.activeChanged(1)
+	return true
 }
 
 // left counts the connection out of its export, waking a RemoveExport
