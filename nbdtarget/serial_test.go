@@ -61,28 +61,27 @@ func newSerialFix(t *testing.T) *serialFix {
 	f.open = sync.OnceFunc(func() { close(g.release) })
 	f.resume = sync.OnceFunc(func() { close(f.resumed) })
 	srv.afterSerialReply = f.afterSerialReply
+	// The handshake's reads find the socket empty too. The waits counted
+	// once it is over, before the transmission phase reads anything, are
+	// the handshake's, and the first send waits for the first of the
+	// transmission's.
+	transmitting := make(chan struct{})
+	srv.beforeTransmit = func(c *conn) {
+		f.waited = c.sock.(*rawSocket).waits.Load()
+		close(transmitting)
+	}
 	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
 	// Cleanups run last first: these before Shutdown, which waits for a
 	// gated flush or a paused server.
 	t.Cleanup(f.open)
 	t.Cleanup(f.resume)
 	f.c = dialRaw(t, sock)
-	nbdtest.Until(t, "the server to take the connection", func() bool {
-		srv.mu.Lock()
-		defer srv.mu.Unlock()
-		return len(srv.conns) == 1
-	})
-	// The handshake's reads find the socket empty too. With the server's
-	// lock held, the connection stops after its handshake, before the
-	// transmission phase reads anything, so the waits counted then are the
-	// handshake's, and the first send waits for the first of the
-	// transmission's.
-	srv.mu.Lock()
 	f.c.connect("t", false, false)
-	for c := range srv.conns {
-		f.waited = c.sock.(*rawSocket).waits.Load()
+	select {
+	case <-transmitting:
+	case <-time.After(nbdtest.Bound):
+		t.Fatal("the connection did not start its transmission phase")
 	}
-	srv.mu.Unlock()
 	return f
 }
 

@@ -109,6 +109,9 @@ type Server struct {
 	// afterSerialReply, set by tests before serving, runs after each reply
 	// of a serial request, before the next request is read.
 	afterSerialReply func()
+	// beforeTransmit, set by tests before serving, runs after a
+	// connection's handshake, before its transmission phase reads.
+	beforeTransmit func(*conn)
 
 	ticks     atomic.Int64 // advanced by watchReplies every ReplyTimeout/4
 	watchOnce sync.Once

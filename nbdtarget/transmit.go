@@ -142,6 +142,9 @@ func (c *conn) serve() {
 	c.log = c.log.With("export", x.Name)
 	c.log.Debug("nbd transmission", "structured", c.structured, "meta", c.meta)
 	c.transmitting = true
+	if c.srv.beforeTransmit != nil {
+		c.srv.beforeTransmit(c)
+	}
 	c.transmit()
 }
 
@@ -151,14 +154,16 @@ func (c *conn) serve() {
 // out since the handshake looked it up.
 func (c *conn) join(x *Export) bool {
 	c.srv.mu.Lock()
-	defer c.srv.mu.Unlock()
-	if x.removed.Load() {
-		return false
+	ok := !x.removed.Load()
+	if ok {
+		c.x, c.st = x, &x.st
+		c.st.conns.Add(1)
 	}
-	c.x, c.st = x, &x.st
-	c.st.conns.Add(1)
-	c.srv.activeChanged(1)
-	return true
+	c.srv.mu.Unlock()
+	if ok {
+		c.srv.activeChanged(1) // OnActive may stop the world: not under mu
+	}
+	return ok
 }
 
 // left counts the connection out of its export, waking a RemoveExport
