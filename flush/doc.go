@@ -81,7 +81,11 @@
 // any later sync noticing. Every later flush of that device therefore fails
 // too, as PostgreSQL does since "fsyncgate". A failed durable write of
 // WriteFUA does the same (see failsDevice): it may have consumed the very
-// write-back error the next fdatasync would have reported. A panic in a
+// write-back error the next fdatasync would have reported. A sync and a
+// durable write of one device that overlap in the device can take each
+// other's error in the same way, so one that returns 0 is answered only
+// once every call of the other kind it overlapped is out of the device,
+// and fails if the device failed by then (tracked.settle). A panic in a
 // sync counts as a failed sync; a panic in any device call becomes an error
 // wrapping backing.ErrPanic and is reported to Engine.OnPanic, on whichever
 // goroutine it happened. docs/flush.md has the table of faults.

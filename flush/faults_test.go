@@ -11,6 +11,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/fault"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // fileDisk is a real sparse file behind a backing.Faulty, tracked by an
@@ -260,6 +261,87 @@ func TestDSyncFailureDuringSync(t *testing.T) {
 	close(gate)
 	if err := fault.Within(t, "flush", done); !errors.Is(err, ErrSyncFailed) || !errors.Is(err, unix.EIO) {
 		t.Fatalf("flush whose sync ran across the failure: %v, want ErrSyncFailed wrapping EIO", err)
+	}
+}
+
+// The kernel reports a write-back error once per open file, to whichever
+// call checks first. A sync that returns 0 while a durable write of its
+// device is in the device may have had its error taken by that write, so
+// its flushes are answered only once the write is out, and fail with it.
+func TestSyncWaitsForDurableWrite(t *testing.T) {
+	e := New()
+	a := newFileDisk(t, e, "a.img")
+	entered := make(chan struct{}, 1)
+	gate := make(chan struct{})
+	a.faulty.Inject(backing.OpDSync, func() error {
+		entered <- struct{}{}
+		<-gate
+		return unix.EIO
+	})
+	fua := make(chan error, 1)
+	go func() { fua <- e.WriteFUA(a.dev, []byte{2}, 1) }()
+	fault.Within(t, "the durable write to reach the device", entered)
+	a.write(t, 0, 1)
+	flushed := make(chan error, 1)
+	go func() { flushed <- e.Flush([]backing.Device{a.dev}) }()
+	nbdtest.Until(t, "the sync to come back", func() bool { return devStats(e, a.name).Syncs == 1 })
+	unanswered(t, flushed, "the flush")
+	close(gate)
+	if err := fault.Within(t, "WriteFUA", fua); !errors.Is(err, unix.EIO) {
+		t.Fatalf("WriteFUA: %v, want EIO", err)
+	}
+	if err := fault.Within(t, "flush", flushed); !errors.Is(err, ErrSyncFailed) || !errors.Is(err, unix.EIO) {
+		t.Fatalf("flush whose sync overlapped the failed write: %v, want ErrSyncFailed wrapping EIO", err)
+	}
+}
+
+// The other way round: a durable write whose RWF_DSYNC returns 0 while a
+// sync of its device is in the device may have had its error taken by that
+// sync, so it is answered once the sync is out, and fails with it.
+func TestDurableWriteWaitsForSync(t *testing.T) {
+	e := New()
+	a := newFileDisk(t, e, "a.img")
+	entered := make(chan struct{}, 1)
+	gate := make(chan struct{})
+	var syncs atomic.Int32
+	a.faulty.Inject(backing.OpSync, func() error {
+		if syncs.Add(1) > 1 {
+			return nil // the durable write's own (Faulty.WriteAtDSync syncs)
+		}
+		entered <- struct{}{}
+		<-gate
+		return unix.EIO
+	})
+	a.write(t, 0, 1)
+	flushed := make(chan error, 1)
+	go func() { flushed <- e.Flush([]backing.Device{a.dev}) }()
+	fault.Within(t, "the sync to reach the device", entered)
+	fua := make(chan error, 1)
+	go func() { fua <- e.WriteFUA(a.dev, []byte{2}, 1) }()
+	tr := e.lookup(a.dev)
+	nbdtest.Until(t, "the durable write to come back", func() bool {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		return tr.settling == 1 || len(fua) == 1
+	})
+	unanswered(t, fua, "WriteFUA")
+	close(gate)
+	if err := fault.Within(t, "flush", flushed); !errors.Is(err, unix.EIO) {
+		t.Fatalf("flush: %v, want EIO", err)
+	}
+	if err := fault.Within(t, "WriteFUA", fua); !errors.Is(err, ErrSyncFailed) || !errors.Is(err, unix.EIO) {
+		t.Fatalf("WriteFUA that overlapped the failed sync: %v, want ErrSyncFailed wrapping EIO", err)
+	}
+}
+
+// unanswered fails t if what already has its answer in ch: it must wait
+// for a call of the other kind that it overlapped in the device.
+func unanswered(t *testing.T, ch chan error, what string) {
+	t.Helper()
+	select {
+	case err := <-ch:
+		t.Fatalf("%s answered (%v) while a call it overlapped was in the device", what, err)
+	default:
 	}
 }
 

@@ -49,6 +49,7 @@ func (e *Engine) Track(d backing.Device) backing.Device {
 		return w
 	}
 	t := &tracked{Device: d, e: e}
+	t.left.L = &t.mu
 	var w backing.Device = t
 	if fz, ok := d.(backing.FastZeroer); ok {
 		w = &fastZeroTracked{tracked: t, fz: fz}

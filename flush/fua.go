@@ -29,31 +29,41 @@ type DSyncWriter interface {
 func (e *Engine) WriteFUA(d backing.Device, p []byte, off int64) error {
 	if t := e.lookup(d); t != nil && !t.noDSync.Load() {
 		if w, ok := t.Device.(DSyncWriter); ok {
-			err := t.writeDSync(w, p, off)
-			switch {
-			case err == nil:
-				// A sync of the device that failed meanwhile may have
-				// taken this write's pages with it and consumed the
-				// error this write's own sync would have seen (the
-				// kernel reports a write-back error once per open
-				// file): the write cannot vouch for its data.
-				return t.failure()
-			case errors.Is(err, backing.ErrNotSupported):
-				t.noDSync.Store(true) // nothing was written; write and flush
-			default:
-				// Part of it may sit in the page cache: count it as dirty.
-				t.written.Add(1)
-				if failsDevice(err) {
-					t.fail(err)
-				}
+			err := t.writeDurable(w, p, off)
+			if !errors.Is(err, backing.ErrNotSupported) {
 				return err
 			}
+			t.noDSync.Store(true) // nothing was written; write and flush
 		}
 	}
 	if err := e.write(d, p, off); err != nil {
 		return err
 	}
 	return e.Flush([]backing.Device{d})
+}
+
+// writeDurable is WriteFUA's RWF_DSYNC path: the durable write, and what
+// it does to the device when it fails.
+func (t *tracked) writeDurable(w DSyncWriter, p []byte, off int64) error {
+	t.mu.Lock()
+	ticket := t.enter(durableCall)
+	t.mu.Unlock()
+	err := t.writeDSync(w, p, off)
+	unsupported := errors.Is(err, backing.ErrNotSupported)
+	if err != nil && !unsupported {
+		// Part of it may sit in the page cache: count it as dirty.
+		t.written.Add(1)
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if err != nil && !unsupported && failsDevice(err) {
+		t.failLocked(err)
+	}
+	// A sync of the device that fails meanwhile may take this write's pages
+	// with it and consume the error this write's own sync would have seen
+	// (the kernel reports a write-back error once per open file): settle
+	// waits for such a sync, and fails the write with it.
+	return t.settle(ticket, err)
 }
 
 // writeDSync is w.WriteAtDSync with a panic turned into an error.

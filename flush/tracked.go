@@ -3,6 +3,7 @@ package flush
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -40,6 +41,13 @@ type tracked struct {
 	failed  error  // first sync error; sticky
 	st      counters
 
+	// Calls that report write-back errors (syncs and durable writes) in
+	// the device, by ticket: see settle.
+	tickets  uint64      // the last ticket handed out
+	inflight [2][]uint64 // by kind, the tickets of the calls in the device, ascending
+	left     sync.Cond   // a call left the device; L is &mu
+	settling int         // calls out of the device, waiting in settle
+
 	noDSync atomic.Bool // WriteAtDSync returned ErrNotSupported once
 }
 
@@ -52,9 +60,10 @@ type counters struct {
 
 // call is one sync of a device and everyone waiting for it.
 type call struct {
-	start uint64 // written, read just before the sync was issued
-	done  chan struct{}
-	err   error
+	start  uint64 // written, read just before the sync was issued
+	ticket ticket // its place in the device (tracked.enter)
+	done   chan struct{}
+	err    error
 }
 
 func newCall() *call { return &call{done: make(chan struct{})} }
@@ -152,7 +161,7 @@ func (t *tracked) request(need uint64) (Entry, func() error) {
 		return e, nil
 	case Sync:
 		c := newCall()
-		c.start = t.written.Load()
+		c.start, c.ticket = t.written.Load(), t.enter(syncCall)
 		t.running = c
 		return e, func() error { t.run(c); return c.err }
 	case JoinRunning:
@@ -198,7 +207,7 @@ func (t *tracked) run(c *call) {
 	took, err := t.syncInner()
 
 	t.mu.Lock()
-	c.err = t.record(c.start, took, err)
+	c.err = t.record(c.ticket, c.start, took, err)
 	t.running = nil
 	n := t.next
 	t.next = nil
@@ -208,7 +217,7 @@ func (t *tracked) run(c *call) {
 			close(n.done)
 			n = nil
 		} else {
-			n.start = t.written.Load()
+			n.start, n.ticket = t.written.Load(), t.enter(syncCall)
 			t.running = n
 		}
 	}
@@ -223,21 +232,72 @@ func (t *tracked) run(c *call) {
 	close(c.done)
 }
 
-// record accounts for a finished sync that started at start and returns
-// what its waiters get. t.mu must be held.
-func (t *tracked) record(start uint64, took time.Duration, err error) error {
+// record accounts for a finished sync that started at start, once every
+// call it overlapped in the device has left it (settle), and returns what
+// its waiters get. t.mu must be held.
+func (t *tracked) record(ticket ticket, start uint64, took time.Duration, err error) error {
 	t.st.syncs++
 	t.st.syncTime += took
 	if err != nil {
 		t.failLocked(err)
+	}
+	if err = t.settle(ticket, err); err != nil {
 		return err
 	}
+	t.synced = max(t.synced, start)
+	return nil
+}
+
+// Calls that report write-back errors, as settle tells them apart.
+const (
+	syncCall    = iota // a sync
+	durableCall        // a durable write (WriteFUA's RWF_DSYNC)
+)
+
+// ticket is a call's place in the device: its kind and the order it went in.
+type ticket struct {
+	kind int
+	n    uint64
+}
+
+// enter hands a call of kind a ticket as it goes into the device. t.mu must
+// be held.
+func (t *tracked) enter(kind int) ticket {
+	t.tickets++
+	t.inflight[kind] = append(t.inflight[kind], t.tickets)
+	return ticket{kind, t.tickets}
+}
+
+// settle is called, with t.mu held, when the call with tk has left the
+// device with err (and has failed the device if err does). The kernel
+// reports a write-back error once per open file, to whichever call checks
+// first, so a sync that got 0 may have had its error taken by a durable
+// write that was in the device at the same time, and the other way round.
+// A call that got 0 therefore waits until every call of the other kind
+// that went in before it came out has come out too, and gets the sticky
+// error if the device failed by then. It waits only for calls still in the
+// device, so two that overlap never wait for each other; a failed call
+// waits for nothing. Durable writes do not wait for each other: under
+// steady load each would wait for the one that went in last, which cost
+// them half their throughput or more (docs/flush.md).
+func (t *tracked) settle(tk ticket, err error) error {
+	mine := &t.inflight[tk.kind]
+	if i := slices.Index(*mine, tk.n); i >= 0 {
+		*mine = slices.Delete(*mine, i, i+1)
+	}
+	t.left.Broadcast()
+	if err != nil {
+		return err // it vouches for nothing: no need to wait
+	}
+	last, other := t.tickets, &t.inflight[1-tk.kind]
+	t.settling++
+	for len(*other) > 0 && (*other)[0] <= last {
+		t.left.Wait()
+	}
+	t.settling--
 	if t.failed != nil {
-		// A durable write failed while this sync ran, and may have consumed
-		// the write-back error this sync should have reported.
 		return t.stickyErr()
 	}
-	t.synced = max(t.synced, start)
 	return nil
 }
 
@@ -265,11 +325,11 @@ func (t *tracked) syncNow() error {
 		t.mu.Unlock()
 		return err
 	}
+	start, ticket := t.written.Load(), t.enter(syncCall)
 	t.mu.Unlock()
-	start := t.written.Load()
 	took, err := t.syncInner()
 	t.mu.Lock()
-	err = t.record(start, took, err)
+	err = t.record(ticket, start, took, err)
 	t.mu.Unlock()
 	if obs := t.e.Observe; obs != nil {
 		obs(t.Name(), took)
