@@ -177,16 +177,6 @@ func (t *tracked) request(need uint64) (Entry, func() error) {
 	panic(fmt.Sprintf("flush: unexpected action %v", e.Action))
 }
 
-// failure is the sticky error if the device has failed, else nil.
-func (t *tracked) failure() error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.failed == nil {
-		return nil
-	}
-	return t.stickyErr()
-}
-
 func (t *tracked) stickyErr() error {
 	return fmt.Errorf("%w: %w", ErrSyncFailed, t.failed)
 }
@@ -301,14 +291,8 @@ func (t *tracked) settle(tk ticket, err error) error {
 	return nil
 }
 
-// fail records a failed sync that did not go through run or syncNow (a
-// durable write's): from now on every flush of the device fails.
-func (t *tracked) fail(err error) {
-	t.mu.Lock()
-	t.failLocked(err)
-	t.mu.Unlock()
-}
-
+// failLocked records a failed sync, or a durable write's failure: from now
+// on every flush of the device fails. t.mu must be held.
 func (t *tracked) failLocked(err error) {
 	t.st.syncErrors++
 	if t.failed == nil {
