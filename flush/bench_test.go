@@ -40,7 +40,10 @@ func BenchmarkWriteFUA(b *testing.B) {
 							return
 						default:
 						}
-						d.WriteAt(p, rand.Int64N(64<<8)*4096)
+						if _, err := d.WriteAt(p, rand.Int64N(64<<8)*4096); err != nil {
+							b.Error(err)
+							return
+						}
 						if err := e.Flush([]backing.Device{d}); err != nil {
 							b.Error(err)
 							return

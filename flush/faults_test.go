@@ -322,7 +322,8 @@ func TestDurableWriteWaitsForSync(t *testing.T) {
 	nbdtest.Until(t, "the durable write to come back", func() bool {
 		tr.mu.Lock()
 		defer tr.mu.Unlock()
-		return tr.settling == 1 || len(fua) == 1
+		// The sync has ticket 1, the durable write 2.
+		return tr.tickets == 2 && len(tr.inflight[durableCall]) == 0 || len(fua) == 1
 	})
 	unanswered(t, fua, "WriteFUA")
 	close(gate)

@@ -46,7 +46,6 @@ type tracked struct {
 	tickets  uint64      // the last ticket handed out
 	inflight [2][]uint64 // by kind, the tickets of the calls in the device, ascending
 	left     sync.Cond   // a call left the device; L is &mu
-	settling int         // calls out of the device, waiting in settle
 
 	noDSync atomic.Bool // WriteAtDSync returned ErrNotSupported once
 }
@@ -280,11 +279,9 @@ func (t *tracked) settle(tk ticket, err error) error {
 		return err // it vouches for nothing: no need to wait
 	}
 	last, other := t.tickets, &t.inflight[1-tk.kind]
-	t.settling++
 	for len(*other) > 0 && (*other)[0] <= last {
 		t.left.Wait()
 	}
-	t.settling--
 	if t.failed != nil {
 		return t.stickyErr()
 	}

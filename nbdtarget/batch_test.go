@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
@@ -224,6 +225,31 @@ func TestOnActive(t *testing.T) {
 	got(1, 2, 1)
 	b.request(cmdDisc, 0, 0, 0, 0, nil)
 	got(1, 2, 1, 0)
+}
+
+// OnActive may call back into the Server: it runs outside the server's
+// lock, which a connection holds while it joins its export.
+func TestOnActiveCallsServer(t *testing.T) {
+	srv := &Server{}
+	calls := make(chan int64, 4)
+	srv.OnActive = func(int) {
+		// Stats on a goroutine of its own, so that the lock held around
+		// OnActive, if it were, fails the test rather than hanging it.
+		stats := make(chan int64, 1)
+		go func() { stats <- srv.Stats().Connections }()
+		select {
+		case n := <-stats:
+			calls <- n
+		case <-time.After(nbdtest.Bound):
+			calls <- -1
+		}
+	}
+	f := newTFix(t, srv)
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	if n := nbdtest.Recv(t, calls, "OnActive"); n != 1 {
+		t.Fatalf("Stats from OnActive: %d connections (-1: it waited %v for the server's lock), want 1", n, nbdtest.Bound)
+	}
 }
 
 // A connection writing in bulk counts twice in OnActive, from its
