@@ -37,7 +37,8 @@ type Opener interface {
 // in 512-byte sectors. Lines must start at 0 and follow each other without a
 // gap or overlap. Fields are separated by spaces or tabs; a field that starts
 // with '#' starts a comment. Devices are opened through open, each name once
-// per Parse call; Parse does not close them on error (the Opener owns them).
+// per Parse call; Parse does not close them on error (the Opener owns them),
+// but it does close the targets it built before the failing line.
 //
 // Every error is an *Error naming file and 1-based line, wrapping one of the
 // sentinels in errors.go.
@@ -58,6 +59,13 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 		lineNo int
 	)
 	fail := func(err error) (*Table, error) {
+		// Release what the lines built so far hold (a snapshot's claim on
+		// its COW device and its registration with the origin), as the
+		// kernel tears down a table whose load failed.
+		for _, c := range done {
+			closeTargets(c)
+		}
+		closeTargets(lines)
 		return nil, &Error{File: file, Line: lineNo, Err: err}
 	}
 	for sc.Scan() {

@@ -1,6 +1,7 @@
 package table
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"strings"
@@ -145,5 +146,68 @@ func TestParseSetErrors(t *testing.T) {
 				t.Fatalf("ParseSet: %v, want %v containing %q", err, tc.want, tc.msg)
 			}
 		})
+	}
+}
+
+// A table that fails on a later line, or a set that fails on a later
+// table, releases the snapshots built before the failure: the COW device
+// is free for the corrected table, and an origin write copies into no
+// snapshot left behind (the kernel tears down a failed load the same way).
+func TestFailedParseReleasesSnapshots(t *testing.T) {
+	snap := "0 2048 snapshot origin cow P 8\n"
+	cases := []struct{ name, bad string }{
+		{"unknown target", snap + "2048 8 bogus\n"},
+		{"bad device offset", snap + "2048 8 linear origin 99999999\n"},
+		{"line too short", snap + "2048 8\n"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			devs := snapDevices()
+			if tb, err := Parse("bad", strings.NewReader(tc.bad), devs); err == nil {
+				tb.Close()
+				t.Fatal("the bad table parsed")
+			}
+			checkSnapshotsReleased(t, devs, snap)
+		})
+	}
+	t.Run("set", func(t *testing.T) {
+		devs := snapDevices()
+		defs := setDefs(t, "s="+snap, "z=0 8 linear /dev/mapper/s 4096")
+		if _, err := ParseSet(defs, devs, stub); !errors.Is(err, ErrBeyondDevice) {
+			t.Fatalf("ParseSet: %v, want %v", err, ErrBeyondDevice)
+		}
+		checkSnapshotsReleased(t, devs, snap)
+	})
+}
+
+// checkSnapshotsReleased parses good (one snapshot of origin on cow) over
+// devs, which must succeed and give a working snapshot, then closes it and
+// checks that a write through a new origin target leaves cow's first
+// metadata area empty: no snapshot is registered with the origin any more.
+func checkSnapshotsReleased(t *testing.T, devs memOpener, good string) {
+	t.Helper()
+	tb, err := Parse("good", strings.NewReader(good), devs)
+	if err != nil {
+		t.Fatalf("the corrected table after the failed one: %v", err)
+	}
+	if _, err := tb.Lines[0].Target.(*snapshotTarget).s.ReadAt(make([]byte, 512), 0); err != nil {
+		t.Fatalf("read through the corrected table's snapshot: %v", err)
+	}
+	if err := tb.Close(); err != nil {
+		t.Fatal(err)
+	}
+	o, err := snapshot.NewOrigin("o", devs["origin"], 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := o.WriteAt(bytes.Repeat([]byte{0xaa}, 512), 0); err != nil {
+		t.Fatal(err)
+	}
+	area := make([]byte, 16)
+	if _, err := devs["cow"].ReadAt(area, 4096); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(area, make([]byte, 16)) {
+		t.Fatalf("an origin write after every table was closed committed an exception to the COW: %x", area)
 	}
 }

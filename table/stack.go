@@ -64,6 +64,7 @@ func ParseSet[D backing.Device](defs []Def, open Opener, wrap func(name string, 
 	for i, d := range defs {
 		e := s.byName[d.Name]
 		if err := s.load(e); err != nil {
+			s.closeLoaded()
 			return nil, err
 		}
 		devs[i] = e.dev.(D)
@@ -86,6 +87,16 @@ type setEntry struct {
 	t       *Table
 	dev     backing.Device
 	err     error
+}
+
+// closeLoaded closes the tables parsed before a failure, as Parse closes
+// the lines it built before a failing one.
+func (s *setOpener) closeLoaded() {
+	for _, e := range s.byName {
+		if e.t != nil {
+			e.t.Close()
+		}
+	}
 }
 
 func (s *setOpener) load(e *setEntry) error {
@@ -208,9 +219,11 @@ func (t *Table) Deactivate() {
 // Close releases what the table's targets hold beyond their devices
 // (a snapshot's registration with its origin and its claim on the COW
 // device). The devices themselves belong to the Opener.
-func (t *Table) Close() error {
+func (t *Table) Close() error { return closeTargets(t.Lines) }
+
+func closeTargets(lines []Line) error {
 	var errs []error
-	for _, l := range t.Lines {
+	for _, l := range lines {
 		if c, ok := l.Target.(io.Closer); ok {
 			errs = append(errs, c.Close())
 		}
