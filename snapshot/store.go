@@ -3,6 +3,7 @@ package snapshot
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/bits"
 
 	"github.com/nbdmapper/nbdmapper/backing"
@@ -204,7 +205,11 @@ func (s *store) readMetadata(tableChunk uint32) error {
 			return fmt.Errorf("read metadata area %d: %w", a, err)
 		}
 		s.curArea = a
-		if !s.insertArea() {
+		full, err := s.insertArea()
+		if err != nil {
+			return fmt.Errorf("metadata area %d: %w", a, err)
+		}
+		if !full {
 			break
 		}
 	}
@@ -214,18 +219,31 @@ func (s *store) readMetadata(tableChunk uint32) error {
 }
 
 // insertArea adds the current area's exceptions to the map and reports
-// whether the area is full (and the next one must be read too).
-func (s *store) insertArea() (full bool) {
+// whether the area is full (and the next one must be read too). An
+// exception whose COW chunk is the header, a metadata area or past the
+// COW device's end, or whose origin chunk has no byte offset, makes the
+// store corrupt: served, it would read the metadata as data, write new
+// exceptions' data over it, or grow a COW file without bound.
+func (s *store) insertArea() (full bool, err error) {
+	chunks := uint64(s.cowSize / s.chunk)
 	for i := 0; i < int(s.perArea); i++ {
 		e := getException(s.area, i)
 		if e.New == 0 {
 			s.committed = i
-			return false
+			return false, nil
+		}
+		switch {
+		case e.New%(s.perArea+1) == headerChunks: // New 0, the header, ended the area above
+			return false, fmt.Errorf("%w: exception %d maps origin chunk %d to metadata chunk %d", ErrCorrupt, i, e.Old, e.New)
+		case e.New >= chunks:
+			return false, fmt.Errorf("%w: exception %d maps origin chunk %d to chunk %d, past the COW device's %d", ErrCorrupt, i, e.Old, e.New, chunks)
+		case e.Old > uint64(math.MaxInt64/s.chunk):
+			return false, fmt.Errorf("%w: exception %d: origin chunk %d is past any device's end", ErrCorrupt, i, e.Old)
 		}
 		s.nextFree = max(s.nextFree, e.New+1)
 		s.exc[e.Old] = e.New
 	}
-	return true
+	return true, nil
 }
 
 // create writes a new store: the header, then a zeroed area 0.

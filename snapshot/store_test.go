@@ -368,3 +368,52 @@ func TestDiscard(t *testing.T) {
 		t.Fatalf("features %v", s2.Features())
 	}
 }
+
+// An exception a COW device cannot hold refuses the store at Open: served,
+// a COW chunk past 2^64 bytes wraps onto the header, a metadata chunk is
+// read as data and written over by the next exception, a chunk past the
+// end grows a COW file, and an origin chunk past 2^63 bytes wraps onto the
+// origin's start.
+func TestOpenHostileExceptions(t *testing.T) {
+	const chunk = 4096 // 8 sectors; area 0 is chunk 1, 256 exceptions per area
+	cases := []struct {
+		name string
+		e    exception
+	}{
+		{"COW chunk wraps to 0", exception{Old: 0, New: 1 << 52}},
+		{"metadata area 0", exception{Old: 0, New: 1}},
+		{"metadata area 1", exception{Old: 0, New: 1 + 257}},
+		{"past the COW's end", exception{Old: 0, New: 16}},
+		{"origin chunk wraps", exception{Old: 1 << 52, New: 2}},
+	}
+	open := func(t *testing.T, es ...exception) (*Snapshot, error) {
+		origin, cow := newPair(t, 16<<10, 16*chunk)
+		hdr := make([]byte, chunk)
+		header{diskMagic, 1, diskVersion, chunk / 512}.encode(hdr)
+		mustWrite(t, cow, hdr, 0)
+		area := make([]byte, chunk)
+		for i, e := range es {
+			putException(area, i, e)
+		}
+		mustWrite(t, cow, area, chunk)
+		return Open("snap", origin, cow, Options{Type: Persistent})
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := open(t, exception{Old: 1, New: 2}, tc.e)
+			if err == nil {
+				s.Close()
+			}
+			if !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("Open with exception %+v: %v, want %v", tc.e, err, ErrCorrupt)
+			}
+		})
+	}
+	t.Run("the last chunk", func(t *testing.T) {
+		s, err := open(t, exception{Old: 1, New: 2}, exception{Old: 3, New: 15})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Close()
+	})
+}
