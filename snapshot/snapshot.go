@@ -463,6 +463,11 @@ func (s *Snapshot) WriteAt(p []byte, off int64) (int, error) {
 	if err := s.check(off, int64(len(p))); err != nil {
 		return 0, err
 	}
+	if len(p) == 0 {
+		// No chunk to claim: [off, off-1] would be taken for the chunk
+		// holding off, which would get an exception with no copy in it.
+		return 0, nil
+	}
 	if s.opt.Merge {
 		return s.mergeWrite(p, off)
 	}

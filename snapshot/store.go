@@ -246,7 +246,7 @@ func (s *store) insertArea() (full bool, err error) {
 	return true, nil
 }
 
-// create writes a new store: the header, then a zeroed area 0.
+// create writes a new store: a zeroed area 0, then the header.
 func (s *store) create(tableChunk uint32) error {
 	if tableChunk == 0 {
 		tableChunk = defaultChunkSectors
@@ -261,11 +261,17 @@ func (s *store) create(tableChunk uint32) error {
 	s.perArea = uint64(s.chunk / exceptionSize)
 	s.area = make([]byte, s.chunk)
 	s.nextFree = headerChunks + 1
-	if err := s.writeHeader(); err != nil {
-		return err
-	}
+	// Area 0 is zeroed and synced before the header that makes it count:
+	// a reused COW device may hold an old store's exceptions there, and a
+	// crash that kept only the header would serve them as snapshot data.
 	if err := s.writeChunk(s.area, areaChunk(s.perArea, 0)); err != nil {
 		return fmt.Errorf("zero metadata area 0: %w", err)
+	}
+	if err := s.cow.Sync(); err != nil {
+		return err
+	}
+	if err := s.writeHeader(); err != nil {
+		return err
 	}
 	return s.cow.Sync()
 }

@@ -120,6 +120,34 @@ func TestTransientStatus(t *testing.T) {
 	}
 }
 
+// A write of no bytes claims no chunk: the chunk holding its offset keeps
+// reading the origin, and the COW is not touched.
+func TestZeroLengthWrite(t *testing.T) {
+	for _, typ := range []Type{Persistent, Transient} {
+		t.Run(typ.String(), func(t *testing.T) {
+			origin, cowMem := newPair(t, 16<<10, 64<<10)
+			cow := backing.NewRecorder(cowMem)
+			s := open(t, origin, cow, Options{Type: typ, ChunkSectors: 8})
+			status := s.Status()
+			cow.Reset()
+			for _, off := range []int64{0, 4096 + 100} {
+				if n, err := s.WriteAt(nil, off); n != 0 || err != nil {
+					t.Fatalf("WriteAt(nil, %d) = %d, %v", off, n, err)
+				}
+			}
+			if calls := cow.Calls(); len(calls) != 0 {
+				t.Fatalf("a write of no bytes reached the COW: %v", calls)
+			}
+			if got := s.Status(); got != status {
+				t.Fatalf("status %q after writes of no bytes, was %q", got, status)
+			}
+			if !bytes.Equal(readAll(t, s), readAll(t, origin)) {
+				t.Fatal("the snapshot no longer reads the origin after writes of no bytes")
+			}
+		})
+	}
+}
+
 // TestFull checks what happens when the COW fills up, per store type.
 func TestFull(t *testing.T) {
 	cases := []struct {
@@ -302,6 +330,23 @@ func TestCommitOrder(t *testing.T) {
 	mustWrite(t, s, []byte("again"), 4096+200)
 	if got := cow.Calls(); len(got) != 1 || got[0].String() != "write 8392+5" {
 		t.Fatalf("in-place write: %v", got)
+	}
+}
+
+// A new store zeroes area 0 and syncs it before it writes the header, so
+// that no crash leaves a valid header over an older store's exceptions.
+func TestCreateOrder(t *testing.T) {
+	origin, cowMem := newPair(t, 16<<10, 64<<10)
+	mustWrite(t, cowMem, bytes.Repeat([]byte{0xbb}, 4096), 4096) // an old area 0, no header
+	cow := backing.NewRecorder(cowMem)
+	open(t, origin, cow, Options{Type: Persistent, ChunkSectors: 8})
+	var got []string
+	for _, c := range cow.Calls() {
+		got = append(got, c.String())
+	}
+	want := []string{"write 4096+4096", "sync", "write 0+4096", "sync"}
+	if strings.Join(got, "; ") != strings.Join(want, "; ") {
+		t.Fatalf("COW calls creating a store:\n got %q\nwant %q", got, want)
 	}
 }
 
