@@ -10,7 +10,7 @@ import (
 //
 // newError builds a target that fails every I/O, like dm's error target.
 // It takes no arguments.
-func newError(_ Opener, _ Sector, args []string) (Target, error) {
+func newError(_ Opener, _, _ Sector, args []string) (Target, error) {
 	if len(args) != 0 {
 		return nil, fmt.Errorf("%w: error takes none, got %d", ErrArgCount, len(args))
 	}

@@ -11,7 +11,7 @@ import (
 //
 // newLinear maps the line one to one onto <dev> from sector <offset>, as
 // dm-linear does. The whole area must lie inside the device.
-func newLinear(open Opener, length Sector, args []string) (Target, error) {
+func newLinear(open Opener, _, length Sector, args []string) (Target, error) {
 	if len(args) != 2 {
 		return nil, fmt.Errorf("%w: want <dev> <offset>, got %d arguments", ErrArgCount, len(args))
 	}

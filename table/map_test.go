@@ -295,7 +295,7 @@ func TestTargetText(t *testing.T) {
 
 // TestNew checks the validation New does for lines built in code.
 func TestNew(t *testing.T) {
-	z, _ := newZero(nil, 8, nil)
+	z, _ := newZero(nil, 0, 8, nil)
 	tests := []struct {
 		name  string
 		lines []Line

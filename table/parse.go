@@ -120,7 +120,7 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 				args = append(args, s[f[0]-lo:f[1]-lo])
 			}
 		}
-		t, err := ctor(devs, length, args)
+		t, err := ctor(devs, start, length, args)
 		if err != nil {
 			return fail(fmt.Errorf("%s: %w", name, err))
 		}

@@ -3,8 +3,10 @@ package table
 import "slices"
 
 // Constructor builds the target of one table line, like the ctr of dm's
-// target_type. length is the line's length in sectors; args are the fields
-// after the target name. A constructor may keep the strings in args but not
+// target_type. start and length are the line's start and length in
+// sectors (most targets map relative to start; the snapshot targets, as in
+// dm, map the device's sectors unchanged); args are the fields after the
+// target name. A constructor may keep the strings in args but not
 // the slice, which Parse reuses.
 //
 // Devices are opened through open, which for a parsed table hands out one
@@ -24,7 +26,7 @@ import "slices"
 // backing.ID so that an origin and its snapshots see each other), and
 // return a Target whose Map emits one KindMapped extent on that stacked
 // device. Nothing in Table or Parse needs to change for them.
-type Constructor func(open Opener, length Sector, args []string) (Target, error)
+type Constructor func(open Opener, start, length Sector, args []string) (Target, error)
 
 // registry maps each target name, as written in tables, to its constructor.
 // One explicit map, like the kernel's list of registered target_types: a new

@@ -17,17 +17,19 @@ var ErrSnapshot = errors.New("snapshot")
 // snapshot <origin> <cow> <P|PO|N> <chunk> [<#features> [discard_zeroes_cow] [discard_passdown_origin]]
 //
 // newSnapshot stacks a copy-on-write snapshot.Snapshot on the origin and
-// COW devices and maps the whole line to it. The line's offsets are the
-// origin's offsets (dm uses the bio's sector unchanged, so a snapshot line
-// normally starts at 0 and covers the origin). An existing persistent COW
-// keeps its on-disk chunk size, which Args then prints, as dmsetup does.
-func newSnapshot(open Opener, length Sector, args []string) (Target, error) {
-	return openSnapshot("snapshot", open, length, args, snapshot.Options{})
+// COW devices and maps the whole line to it. The line's sectors are the
+// origin's sectors: dm passes the bio's sector through unchanged, so a line
+// at sector S reads origin sector S, and chunk numbers in the COW count
+// from the origin's start (a snapshot line normally starts at 0 and covers
+// the origin). An existing persistent COW keeps its on-disk chunk size,
+// which Args then prints, as dmsetup does.
+func newSnapshot(open Opener, start, length Sector, args []string) (Target, error) {
+	return openSnapshot("snapshot", open, start, length, args, snapshot.Options{})
 }
 
 // openSnapshot parses the arguments the snapshot and snapshot-merge targets
 // share and opens the snapshot device; opt carries what the target adds.
-func openSnapshot(typ string, open Opener, length Sector, args []string, opt snapshot.Options) (Target, error) {
+func openSnapshot(typ string, open Opener, start, length Sector, args []string, opt snapshot.Options) (Target, error) {
 	if len(args) < 4 {
 		return nil, fmt.Errorf("%w: want <origin> <cow> <P|PO|N> <chunk> [<#features> <feature>...], got %d arguments", ErrArgCount, len(args))
 	}
@@ -68,8 +70,8 @@ func openSnapshot(typ string, open Opener, length Sector, args []string, opt sna
 		}
 	}
 	opt.ChunkSectors = chunk
-	opt.Size = length.Bytes()
-	origin, originName, err := openArea(open, args[0], 0, length)
+	opt.Size = (start + length).Bytes()
+	origin, originName, err := openArea(open, args[0], 0, start+length)
 	if err != nil {
 		return nil, err
 	}
@@ -81,7 +83,7 @@ func openSnapshot(typ string, open Opener, length Sector, args []string, opt sna
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 	}
-	return &snapshotTarget{typ: typ, s: s, origin: originName, cow: cowName, devs: Flatten(s.Devices())}, nil
+	return &snapshotTarget{typ: typ, s: s, base: start.Bytes(), origin: originName, cow: cowName, devs: Flatten(s.Devices())}, nil
 }
 
 // snapshotTarget is the snapshot and snapshot-merge targets: they differ
@@ -89,6 +91,7 @@ func openSnapshot(typ string, open Opener, length Sector, args []string, opt sna
 type snapshotTarget struct {
 	typ         string
 	s           *snapshot.Snapshot
+	base        int64 // the line's start in bytes: its offset 0 is the device's base
 	origin, cow string
 	devs        []backing.Device
 }
@@ -101,10 +104,10 @@ func (t *snapshotTarget) Args() []string {
 	return append(args, t.s.Features()...)
 }
 
-// Map sends the whole line to the stacked device, which does the
-// copy-on-write work itself.
+// Map sends the whole line to the stacked device, at the same sectors,
+// and the device does the copy-on-write work itself.
 func (t *snapshotTarget) Map(off, n int64, yield func(Extent) bool) bool {
-	return yield(Extent{Kind: KindMapped, Dev: t.s, Off: off, VOff: off, Len: n})
+	return yield(Extent{Kind: KindMapped, Dev: t.s, Off: t.base + off, VOff: off, Len: n})
 }
 
 // Devices are the real devices below (COW and origin, with stacked

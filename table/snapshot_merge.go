@@ -14,6 +14,6 @@ import "github.com/nbdmapper/nbdmapper/snapshot"
 // being merged resumes the merge when served again. Transient (N) stores
 // cannot be merged. Status falls as the merge proceeds and is done when
 // sectors_allocated equals metadata_sectors.
-func newSnapshotMerge(open Opener, length Sector, args []string) (Target, error) {
-	return openSnapshot("snapshot-merge", open, length, args, snapshot.Options{Merge: true})
+func newSnapshotMerge(open Opener, start, length Sector, args []string) (Target, error) {
+	return openSnapshot("snapshot-merge", open, start, length, args, snapshot.Options{Merge: true})
 }

@@ -12,24 +12,26 @@ import (
 // newSnapshotOrigin passes the line through to <dev>, except that writes
 // (and discards and zeroing) first copy the chunks they change out to
 // every snapshot of <dev>, loaded in this table or any other. As in dm the
-// line's offsets are <dev>'s offsets.
-func newSnapshotOrigin(open Opener, length Sector, args []string) (Target, error) {
+// line's sectors are <dev>'s sectors: a line at sector S starts at <dev>'s
+// sector S.
+func newSnapshotOrigin(open Opener, start, length Sector, args []string) (Target, error) {
 	if len(args) != 1 {
 		return nil, fmt.Errorf("%w: want <dev>, got %d arguments", ErrArgCount, len(args))
 	}
-	dev, name, err := openArea(open, args[0], 0, length)
+	dev, name, err := openArea(open, args[0], 0, start+length)
 	if err != nil {
 		return nil, err
 	}
-	o, err := snapshot.NewOrigin("snapshot-origin "+name, dev, length.Bytes())
+	o, err := snapshot.NewOrigin("snapshot-origin "+name, dev, (start + length).Bytes())
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 	}
-	return &originTarget{o: o, name: name, devs: Flatten(o.Devices())}, nil
+	return &originTarget{o: o, base: start.Bytes(), name: name, devs: Flatten(o.Devices())}, nil
 }
 
 type originTarget struct {
 	o    *snapshot.Origin
+	base int64 // the line's start in bytes, as in snapshotTarget
 	name string
 	devs []backing.Device
 }
@@ -39,7 +41,7 @@ func (t *originTarget) Status() string { return "" }
 func (t *originTarget) Args() []string { return []string{t.name} }
 
 func (t *originTarget) Map(off, n int64, yield func(Extent) bool) bool {
-	return yield(Extent{Kind: KindMapped, Dev: t.o, Off: off, VOff: off, Len: n})
+	return yield(Extent{Kind: KindMapped, Dev: t.o, Off: t.base + off, VOff: off, Len: n})
 }
 
 // Devices is the origin's real devices: copy-outs are synced to the COW

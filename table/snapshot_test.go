@@ -211,3 +211,49 @@ func checkSnapshotsReleased(t *testing.T, devs memOpener, good string) {
 		t.Fatalf("an origin write after every table was closed committed an exception to the COW: %x", area)
 	}
 }
+
+// A snapshot or snapshot-origin line that does not start at 0 maps the
+// origin's sectors unchanged, as dm does: virtual sector 8 of the table is
+// the origin's sector 8, and a snapshot reads it there. The line must end
+// inside the origin.
+func TestSnapshotLinesKeepSectors(t *testing.T) {
+	const sector8 = 8 * SectorSize
+	for _, line := range []string{"8 2040 snapshot-origin origin", "8 2040 snapshot origin cow P 8"} {
+		t.Run(strings.Fields(line)[2], func(t *testing.T) {
+			devs := snapDevices()
+			want := bytes.Repeat([]byte{0x5a}, SectorSize)
+			mustWriteMem(t, devs["origin"], want, sector8)
+			tb, err := Parse("t", strings.NewReader("0 8 zero\n"+line+"\n"), devs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tb.Close()
+			es := tb.Extents(sector8, SectorSize)
+			if len(es) != 1 || es[0].Off != sector8 || es[0].VOff != sector8 {
+				t.Fatalf("virtual sector 8 maps to %+v, want the origin's sector 8", es)
+			}
+			got := make([]byte, SectorSize)
+			if _, err := es[0].Dev.ReadAt(got, es[0].Off); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("virtual sector 8 reads %x..., want the origin's sector 8, %x...", got[:4], want[:4])
+			}
+		})
+	}
+	for _, line := range []string{"8 2048 snapshot-origin origin", "8 2048 snapshot origin cow P 8"} {
+		if tb, err := Parse("t", strings.NewReader("0 8 zero\n"+line+"\n"), snapDevices()); !errors.Is(err, ErrBeyondDevice) {
+			if err == nil {
+				tb.Close()
+			}
+			t.Errorf("%q past the origin's end: %v, want %v", line, err, ErrBeyondDevice)
+		}
+	}
+}
+
+func mustWriteMem(t *testing.T, d backing.Device, p []byte, off int64) {
+	t.Helper()
+	if _, err := d.WriteAt(p, off); err != nil {
+		t.Fatal(err)
+	}
+}

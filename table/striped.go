@@ -17,7 +17,7 @@ import (
 // length divides by #stripes, the per-stripe width divides by chunk, and
 // there is one <dev> <offset> pair per stripe. Each stripe's area,
 // [offset, offset+length/#stripes), must lie inside its device.
-func newStriped(open Opener, length Sector, args []string) (Target, error) {
+func newStriped(open Opener, _, length Sector, args []string) (Target, error) {
 	if len(args) < 2 {
 		return nil, fmt.Errorf("%w: want <#stripes> <chunk> (<dev> <offset>)+, got %d arguments", ErrArgCount, len(args))
 	}

@@ -10,7 +10,7 @@ import (
 //
 // newZero builds a target that reads as zeros and drops writes and
 // discards, like dm-zero. It takes no arguments.
-func newZero(_ Opener, _ Sector, args []string) (Target, error) {
+func newZero(_ Opener, _, _ Sector, args []string) (Target, error) {
 	if len(args) != 0 {
 		return nil, fmt.Errorf("%w: zero takes none, got %d", ErrArgCount, len(args))
 	}
