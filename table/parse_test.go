@@ -2,7 +2,6 @@ package table
 
 import (
 	"bytes"
-	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -319,35 +318,43 @@ func checkCover(t *testing.T, tb *Table, off, n int64) {
 }
 
 // checkDeviceCover checks that Cover reaches exactly the device bytes Map
-// does, and the same amount of zero and error target, each byte once.
+// does, each as many times (stripes of one table may name the same device
+// area, which dm allows too), and the same amount of zero and error target.
 func checkDeviceCover(t *testing.T, tb *Table, off, n int64) {
 	t.Helper()
-	type span struct{ lo, hi int64 }
-	collect := func(walk func(int64, int64, func(Extent) bool) bool) (map[backing.Device][]span, map[Kind]int64) {
-		devs := map[backing.Device][]span{}
+	// A device's coverage: how many extents reach each byte, as runs of
+	// equal counts {lo, hi, count}, ascending and without zero runs.
+	type run struct{ lo, hi, count int64 }
+	collect := func(walk func(int64, int64, func(Extent) bool) bool) (map[backing.Device][]run, map[Kind]int64) {
+		edges := map[backing.Device]map[int64]int64{}
 		kinds := map[Kind]int64{}
 		walk(off, n, func(e Extent) bool {
 			kinds[e.Kind] += e.Len
 			if e.Kind == KindMapped {
-				devs[e.Dev] = append(devs[e.Dev], span{e.Off, e.Off + e.Len})
+				if edges[e.Dev] == nil {
+					edges[e.Dev] = map[int64]int64{}
+				}
+				edges[e.Dev][e.Off]++
+				edges[e.Dev][e.Off+e.Len]--
 			}
 			return true
 		})
-		for d, ss := range devs {
-			slices.SortFunc(ss, func(a, b span) int { return cmp.Compare(a.lo, b.lo) })
-			merged := ss[:1]
-			for _, s := range ss[1:] {
-				last := &merged[len(merged)-1]
-				if s.lo < last.hi {
-					t.Fatalf("[%d, %d): device %s byte %d reached twice", off, n, d.Name(), s.lo)
-				}
-				if s.lo == last.hi {
-					last.hi = s.hi
-				} else {
-					merged = append(merged, s)
+		devs := map[backing.Device][]run{}
+		for d, m := range edges {
+			var runs []run
+			var count int64
+			at := slices.Sorted(maps.Keys(m))
+			for i, x := range at[:len(at)-1] {
+				count += m[x]
+				switch {
+				case count == 0:
+				case len(runs) > 0 && runs[len(runs)-1].hi == x && runs[len(runs)-1].count == count:
+					runs[len(runs)-1].hi = at[i+1]
+				default:
+					runs = append(runs, run{x, at[i+1], count})
 				}
 			}
-			devs[d] = merged
+			devs[d] = runs
 		}
 		return devs, kinds
 	}
