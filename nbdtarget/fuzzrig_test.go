@@ -23,8 +23,9 @@ import (
 //
 // fail*'s first 1 KiB fails reads and writes; nozero cannot zero natively;
 // striped is 2 Mems with 1-sector chunks; c is a Faulty over a Mem (writes
-// cached until a sync); snapshot is a persistent snapshot of a 16 KiB
-// origin. Every mapped byte starts as fuzzPattern(offset). Every device
+// cached until a sync); snapshot is a persistent snapshot of a 96 KiB
+// origin, of which it maps the last 16 KiB (a snapshot line's sectors are
+// the origin's). Every mapped byte starts as fuzzPattern(offset). Every device
 // has a hole map in front (the file gets its own from the pool), so that
 // reads of what trims and zeroing punched are answered with hole chunks;
 // fail*'s is behind its failing reads, which it then reads densely.
@@ -124,7 +125,7 @@ func newFuzzRig(t testing.TB, file string, serial, batch bool) *fuzzRig {
 	pool.Add("s0", holes(s0))
 	pool.Add("s1", holes(s1))
 	pool.Add("c", holes(fc))
-	pool.Add("so", holes(mem("so", 16*kb, 80*kb)))
+	pool.Add("so", holes(mem("so", 96*kb, 0)))
 	pool.Add("sc", holes(backing.NewMem("sc", 64*kb)))
 	tb, err := table.Parse("fuzz.table", strings.NewReader(fmt.Sprintf(fuzzTable, file)), pool)
 	if err != nil {

@@ -58,19 +58,22 @@ const bound = 60 * time.Second
 // The table of export "main" (sectors), and export "org", the origin of
 // main's snapshot segment:
 //
-//	main: 0     4096  linear a 0             (2 MiB)
-//	      4096  4096  striped 2 8 b 0 c 0    (2 MiB, 4 KiB chunks)
-//	      8192  2048  snapshot d e P 8       (1 MiB, a snapshot of d)
+//	main: 0     2048  snapshot d e P 8       (1 MiB, a snapshot of d)
+//	      2048  4096  linear a 0             (2 MiB)
+//	      6144  4096  striped 2 8 b 0 c 0    (2 MiB, 4 KiB chunks)
 //	      10240 2048  linear a 4096          (1 MiB)
 //	org:  0     2048  snapshot-origin d      (1 MiB)
+//
+// The snapshot line starts at 0 because a snapshot's sectors are its
+// origin's (as in dm): org's writes copy out the very chunks it maps.
 //
 // a, b and c inject every fault; d and e (the snapshot's origin and COW)
 // only delays, so that the snapshot is not invalidated by an I/O error
 // (dm's behaviour, which would end the check of that segment).
 const (
-	mainTable = `0 4096 linear a 0
-4096 4096 striped 2 8 b 0 c 0
-8192 2048 snapshot d e P 8
+	mainTable = `0 2048 snapshot d e P 8
+2048 4096 linear a 0
+6144 4096 striped 2 8 b 0 c 0
 10240 2048 linear a 4096
 `
 	orgTable = "0 2048 snapshot-origin d\n"
