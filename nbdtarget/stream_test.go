@@ -3,6 +3,8 @@ package nbdtarget
 import (
 	"bytes"
 	"encoding/binary"
+	"io"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -91,12 +93,19 @@ func TestLongReadWrite(t *testing.T) {
 			t.Fatal("chunks differ from what was written")
 		}
 	})
-	t.Run("structured with DF: a single chunk", func(t *testing.T) {
+	t.Run("structured with DF: too long for one chunk is EOVERFLOW", func(t *testing.T) {
+		// One chunk could not end in an error once a later piece failed,
+		// and one of 4 GiB or more would overflow its length field. The
+		// connection goes on: the subtests after this one use it.
 		c.t = t
-		c.request(cmdRead, cfDF, 3, off, n, nil)
-		ch := c.chunk()
-		if ch.handle != 3 || ch.typ != chunkOffsetData || ch.flags != replyFlagDone || !bytes.Equal(ch.payload[8:], data) {
-			t.Fatalf("DF read: handle %d type %d flags %d len %d", ch.handle, ch.typ, ch.flags, len(ch.payload))
+		for _, length := range []uint32{MaxPayload + 1, n, 0xffffffff} {
+			c.request(cmdRead, cfDF, 3, off, length, nil)
+			ch := c.chunk()
+			errno, _, _, err := chunkErrno(ch)
+			if err != nil || errno != EOVERFLOW || ch.handle != 3 || ch.flags != replyFlagDone {
+				t.Fatalf("DF read of %d bytes: chunk type %#x handle %d flags %d errno %d (%v), want EOVERFLOW",
+					length, ch.typ, ch.handle, ch.flags, errno, err)
+			}
 		}
 	})
 	t.Run("structured: a failure after the first piece ends with ERROR_OFFSET", func(t *testing.T) {
@@ -125,7 +134,7 @@ func TestLongReadWrite(t *testing.T) {
 	})
 	t.Run("a failure in the first piece is an ordinary error reply", func(t *testing.T) {
 		c.t = t
-		c.request(cmdRead, cfDF, 5, goodLen-100, MaxPayload+1, nil)
+		c.request(cmdRead, 0, 5, goodLen-100, MaxPayload+1, nil)
 		errno, _, at, err := chunkErrno(c.chunk())
 		if err != nil || errno != EIO || at != goodLen {
 			t.Fatalf("errno %d at %d (%v)", errno, at, err)
@@ -199,5 +208,68 @@ func TestMemoryBudgetWaits(t *testing.T) {
 		// MaxPayload is past the end of "t": the point is that it got a
 		// reply once memory was free.
 		t.Fatalf("waiting request: handle %d errno %d", h, errno)
+	}
+}
+
+// countingZeroDev reads as zeros, with no holes, and counts what it reads.
+type countingZeroDev struct {
+	backing.Device
+	read atomic.Int64
+}
+
+func (d *countingZeroDev) ReadAt(p []byte, off int64) (int, error) {
+	clear(p)
+	d.read.Add(int64(len(p)))
+	return len(p), nil
+}
+
+func (d *countingZeroDev) Holes(off, n int64) ([]backing.Range, error) { return nil, nil }
+
+// A long structured read stops reading the export once its client has
+// gone: the pieces after a failed write would be read for nobody.
+func TestLongReadStopsWhenClientGoes(t *testing.T) {
+	dev := &countingZeroDev{Device: backing.NewMem("z", 4096)}
+	x := newExport(t, "big", seg{len: 8 << 30, dev: dev})
+	srv := &Server{Exports: []*Export{x}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	c := dialRaw(t, sock)
+	c.connect("big", true, false)
+	c.request(cmdRead, 0, 1, 0, 0xffffffff, nil)
+	if ch := c.chunk(); ch.typ != chunkOffsetData {
+		t.Fatalf("first chunk type %d", ch.typ)
+	}
+	c.nc.Close()
+	waitFor(t, "the connection to end", func() bool { return srv.Stats().Connections == 0 })
+	if n := dev.read.Load(); n > 64<<20 {
+		t.Fatalf("the server read %d bytes of a 4 GiB read whose client had gone", n)
+	}
+}
+
+// A simple reply's pieces are read from the device while the reply is
+// under way; a device slower than ReplyTimeout is not a client that
+// stopped reading, and the client that reads all along gets its reply.
+func TestLongReadSlowDeviceIsNotStuckClient(t *testing.T) {
+	const size = MaxPayload + 2*streamPiece
+	g := &gateDev{Device: backing.NewMem("g", size), at: streamPiece, entered: make(chan struct{}), release: make(chan struct{})}
+	x := newExport(t, "slow", seg{len: size, dev: g})
+	srv := &Server{Exports: []*Export{x}, ReplyTimeout: 200 * time.Millisecond}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	c := dialRaw(t, sock)
+	c.connect("slow", false, false)
+	const n = MaxPayload + 1
+	c.request(cmdRead, 0, 1, 0, n, nil)
+	done := make(chan error, 1)
+	go func() {
+		_, err := io.ReadFull(c.nc, make([]byte, 16+n))
+		done <- err
+	}()
+	<-g.entered
+	// Hold the device for longer than watchReplies takes to close a
+	// stuck connection (five of its ticks).
+	from := srv.ticks.Load()
+	waitFor(t, "ReplyTimeout to pass", func() bool { return srv.ticks.Load() >= from+7 })
+	close(g.release)
+	if err := <-done; err != nil {
+		t.Fatalf("a client reading its reply all along lost it: %v (ReplyTimeouts %d)", err, srv.Stats().ReplyTimeouts)
 	}
 }

@@ -93,6 +93,7 @@ type conn struct {
 	wmu     sync.Mutex
 	pending atomic.Int32 // replies waiting for or holding wmu
 	werr    error        // first write error; later replies are dropped
+	broken  atomic.Bool  // werr is set, as seen without wmu
 
 	// Reply batching (see unlockSend): queued says the read buffer holds
 	// another whole request header, which the reader will take without
@@ -112,6 +113,12 @@ func (c *conn) serve() {
 	defer c.srv.dropConn(c)
 	defer c.close()
 	c.nc.SetDeadline(time.Now().Add(c.srv.handshakeTimeout()))
+	if c.stopped.Load() {
+		// A Shutdown that came first set its read deadline before the
+		// one just set, which replaced it; one that comes later sets its
+		// own after stopped, so it is never lost.
+		return
+	}
 	x, err := c.handshake()
 	if c.st != nil {
 		defer c.left() // joined in the handshake, whatever came after
@@ -802,6 +809,13 @@ func (c *conn) check(r *request) (uint32, string) {
 		return EINVAL, "command flag not valid for this command"
 	}
 	switch r.Type {
+	case cmdRead:
+		if r.Flags&cfDF != 0 && r.Length > MaxPayload {
+			// One chunk that long could not be answered with an error
+			// once a later piece failed, and past 4 GiB its length would
+			// not fit the chunk header: the spec's answer is EOVERFLOW.
+			return EOVERFLOW, "read too long for one chunk"
+		}
 	case cmdFlush:
 		if r.Offset != 0 || r.Length != 0 {
 			return EINVAL, "flush offset and length must be zero"
@@ -965,13 +979,14 @@ func (c *conn) sendRead(j *job, off int64, p []byte, done bool) {
 // readStream answers a READ longer than MaxPayload, reading it one
 // streamPiece at a time, so that it never holds more than one piece. The
 // first piece is read before anything is sent, so a failure there is an
-// ordinary error reply. With structured replies (and no DF) every piece is
-// its own OFFSET_DATA chunk, and other replies may go out between them; a
-// later failure ends the reply with an ERROR_OFFSET chunk. A simple reply,
-// or a DF read's single chunk, promises all the data in its header, so the
-// pieces go out under one hold of the write lock, and a failure after the
-// header can only be reported by closing the connection, as the NBD spec
-// requires.
+// ordinary error reply. With structured replies every piece is its own
+// OFFSET_DATA chunk (a DF read this long was refused with EOVERFLOW), and
+// other replies may go out between them; a later failure ends the reply
+// with an ERROR_OFFSET chunk, and a connection whose writes have failed
+// reads no further. A simple reply promises all the data in its header,
+// so the pieces go out under one hold of the write lock, and a failure
+// after the header can only be reported by closing the connection, as the
+// NBD spec requires.
 func (c *conn) readStream(j *job) {
 	r := &j.req
 	j.setBuf(streamPiece)
@@ -1000,7 +1015,7 @@ func (c *conn) readStream(j *job) {
 		for {
 			last := off+int64(len(p)) == end
 			c.sendRead(j, off, p, last)
-			if last {
+			if last || c.broken.Load() {
 				return
 			}
 			off += int64(len(p))
@@ -1010,12 +1025,7 @@ func (c *conn) readStream(j *job) {
 			}
 		}
 	}
-	if c.structured {
-		j.out = appendDataChunkHeader(j.out[:0], r.Handle, replyFlagDone, r.Offset, r.Length)
-		c.st.readChunks[0].Add(1)
-	} else {
-		j.out = appendSimpleReply(j.out[:0], r.Handle, 0)
-	}
+	j.out = appendSimpleReply(j.out[:0], r.Handle, 0)
 	c.lockSend()
 	defer c.unlockSend()
 	if c.werr == nil {
@@ -1028,6 +1038,9 @@ func (c *conn) readStream(j *job) {
 		if c.werr != nil || off == end {
 			break
 		}
+		// Reading the device is not the client failing to take the
+		// reply: a slow disk must not look like a stuck client.
+		c.writeSince.Store(0)
 		if p = piece(); j.errno != 0 {
 			c.log.Warn("nbd read failed after its reply header was sent: closing the connection", "offset", off, "errno", j.errno)
 			c.werr = errBrokenReply
@@ -1115,6 +1128,7 @@ func (c *conn) unlockSend() {
 	failed := c.werr
 	c.wmu.Unlock()
 	if failed != nil {
+		c.broken.Store(true)
 		// The client is gone or stuck, or a reply broke off: wake the
 		// reader so the connection winds down; the other connections are
 		// not affected.

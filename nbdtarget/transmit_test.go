@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"net"
 	"runtime"
 	"strings"
 	"sync"
@@ -541,5 +542,49 @@ func TestShutdownContext(t *testing.T) {
 	close(f.gate.release)
 	if err := nbdtest.Recv(t, done, "Shutdown to return"); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Shutdown = %v, want %v", err, context.Canceled)
+	}
+}
+
+// lateDeadlineConn holds a connection's first SetDeadline (the handshake's)
+// until gate closes, so that a Shutdown can come between the connection
+// being taken and its handshake deadline being set.
+type lateDeadlineConn struct {
+	net.Conn
+	gate <-chan struct{}
+	once sync.Once
+}
+
+func (c *lateDeadlineConn) SetDeadline(t time.Time) error {
+	c.once.Do(func() { <-c.gate })
+	return c.Conn.SetDeadline(t)
+}
+
+// A Shutdown that stops a connection before its handshake deadline is set
+// is not undone by that deadline: the connection ends at once instead of
+// waiting out HandshakeTimeout for a client that sends nothing.
+func TestShutdownBeforeHandshakeDeadline(t *testing.T) {
+	gate := make(chan struct{})
+	srv := &Server{HandshakeTimeout: time.Hour}
+	f := newTFixOn(t, srv, &wrappingServer{srv, func(nc net.Conn) net.Conn { return &lateDeadlineConn{Conn: nc, gate: gate} }})
+	dialRaw(t, f.sock) // sends nothing
+	waitFor(t, "the connection to be taken", func() bool { return srv.Stats().Connections == 1 })
+	shut := make(chan error, 1)
+	go func() { shut <- srv.Shutdown(context.Background()) }()
+	waitFor(t, "Shutdown to stop the connection", func() bool {
+		srv.mu.Lock()
+		defer srv.mu.Unlock()
+		for c := range srv.conns {
+			return c.stopped.Load()
+		}
+		return false
+	})
+	close(gate)
+	select {
+	case err := <-shut:
+		if err != nil {
+			t.Fatalf("Shutdown: %v", err)
+		}
+	case <-time.After(nbdtest.Bound):
+		t.Fatalf("Shutdown still waiting after %v for a handshake it had stopped", nbdtest.Bound)
 	}
 }
