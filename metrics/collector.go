@@ -76,6 +76,8 @@ var (
 		"Connections closed for not finishing the NBD handshake within --handshake-timeout.")
 	descReplyTimeouts = desc("nbdmapper_reply_timeouts_total",
 		"Connections closed because the client took none of its replies within --reply-timeout.")
+	descPayloadTimeouts = desc("nbdmapper_payload_timeouts_total",
+		"Connections closed because the client did not send the rest of a write's payload within --reply-timeout.")
 	descAcceptRetries = desc("nbdmapper_accept_retries_total",
 		"Accept errors (out of file descriptors or memory, aborted connections) backed off and retried.")
 	descPanics = desc("nbdmapper_panics_total",
@@ -303,7 +305,7 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		descRequests, descRequestBytes, descRequestErrors, descInFlight,
 		descConnections, descConnectionsTotal, descConnectionsOpen,
-		descConnectionsRefused, descHandshakeTimeouts, descReplyTimeouts, descAcceptRetries,
+		descConnectionsRefused, descHandshakeTimeouts, descReplyTimeouts, descPayloadTimeouts, descAcceptRetries,
 		descPanics, descMemoryInUse, descMemoryLimit, descMemoryWaits,
 		descReadChunks, descReadHoleBytes, descReadSplicedBytes, descSerialRequests, descHoleLookups, descHoleRefused, descHoleKnown, descHoleSlots,
 		descFlushes, descDeviceFlushes, descDeviceSyncs, descDeviceSkipped,
@@ -412,6 +414,7 @@ func (c *statsCollector) collectServer(ch chan<- prometheus.Metric, s nbdtarget.
 	counter(ch, descConnectionsRefused, uint64(s.Refused))
 	counter(ch, descHandshakeTimeouts, uint64(s.HandshakeTimeouts))
 	counter(ch, descReplyTimeouts, uint64(s.ReplyTimeouts))
+	counter(ch, descPayloadTimeouts, uint64(s.PayloadTimeouts))
 	counter(ch, descAcceptRetries, uint64(s.AcceptRetries))
 	counter(ch, descPanics, uint64(s.Panics))
 	gauge(ch, descMemoryInUse, float64(s.MemoryInUse))

@@ -56,7 +56,8 @@ type Server struct {
 	HandshakeTimeout time.Duration
 
 	// ReplyTimeout closes a connection whose client takes none of its
-	// replies for this long (default DefaultReplyTimeout), which would
+	// replies for this long (default DefaultReplyTimeout), or has not sent
+	// the rest of a write's payload in this long, either of which would
 	// otherwise pin the memory of its requests.
 	ReplyTimeout time.Duration
 
@@ -139,9 +140,11 @@ func (s *Server) init() {
 }
 
 // watchReplies closes connections that have been writing one hold of
-// replies for ReplyTimeout: their clients stopped reading. It ticks four
-// times per ReplyTimeout and closes a connection once five ticks have
-// passed since its write began, so between ReplyTimeout and 1.25 times it.
+// replies for ReplyTimeout, whose clients stopped reading, and those whose
+// reader has waited that long for a payload, whose clients stopped
+// sending. It ticks four times per ReplyTimeout and closes a connection
+// once five ticks have passed since its write or its wait began, so
+// between ReplyTimeout and 1.25 times it.
 func (s *Server) watchReplies() {
 	t := time.NewTicker(s.replyTimeout() / 4)
 	defer t.Stop()
@@ -156,6 +159,9 @@ func (s *Server) watchReplies() {
 		for c := range s.conns {
 			if since := c.writeSince.Load(); since != 0 && now-(since-1) >= 5 {
 				c.replyStuck()
+			}
+			if since := c.payloadSince.Load(); since != 0 && now-(since-1) >= 5 {
+				c.payloadStuck()
 			}
 		}
 		s.mu.Unlock()
@@ -402,6 +408,7 @@ func (s *Server) newConn(nc net.Conn) *conn {
 		bw:   bufio.NewWriterSize(sock, 64<<10),
 		log:  s.Logger.With("remote", nc.RemoteAddr().String()),
 	}
+	c.stopCtx, c.stop = context.WithCancel(context.Background())
 	s.conns[c] = struct{}{}
 	s.connWG.Add(1)
 	return c
@@ -481,6 +488,7 @@ type Stats struct {
 	Refused           int64 // connections closed at once: MaxConnections reached
 	HandshakeTimeouts int64 // connections closed for not finishing the handshake
 	ReplyTimeouts     int64 // connections closed for not taking their replies
+	PayloadTimeouts   int64 // connections closed for not sending a write's payload
 	AcceptRetries     int64 // Accept errors (EMFILE, ...) backed off and retried
 	Panics            int64 // panics recovered and turned into EIO
 	MemoryInUse       int64 // bytes of Memory held by requests now
@@ -490,6 +498,7 @@ type Stats struct {
 
 type serverCounters struct {
 	refused, handshakeTimeouts, replyTimeouts atomic.Int64
+	payloadTimeouts                           atomic.Int64
 	acceptRetries, panics                     atomic.Int64
 	memInUse, memWaits                        atomic.Int64
 }
@@ -586,6 +595,7 @@ func (s *Server) Stats() Stats {
 		Refused:           s.counters.refused.Load(),
 		HandshakeTimeouts: s.counters.handshakeTimeouts.Load(),
 		ReplyTimeouts:     s.counters.replyTimeouts.Load(),
+		PayloadTimeouts:   s.counters.payloadTimeouts.Load(),
 		AcceptRetries:     s.counters.acceptRetries.Load(),
 		Panics:            s.counters.panics.Load(),
 		MemoryInUse:       s.counters.memInUse.Load(),

@@ -273,3 +273,91 @@ func TestLongReadSlowDeviceIsNotStuckClient(t *testing.T) {
 		t.Fatalf("a client reading its reply all along lost it: %v (ReplyTimeouts %d)", err, srv.Stats().ReplyTimeouts)
 	}
 }
+
+// Clients that announce writes and withhold their payloads hold at most
+// payloadFirst of the server's memory each: eight MaxPayload headers,
+// which used to take the whole default Memory and stall every client of
+// the server behind them, leave an honest client's requests to run.
+func TestWithheldPayloadsLeaveMemory(t *testing.T) {
+	srv := &Server{ReplyTimeout: time.Hour} // only the bound frees the honest client
+	f := newTFix(t, srv)
+	for i := range 8 {
+		s := dialRaw(t, f.sock)
+		s.connect("t", false, false)
+		s.request(cmdWrite, 0, uint64(i), 0, MaxPayload, nil) // and no payload
+	}
+	waitFor(t, "the withheld writes to be charged", func() bool {
+		return srv.Stats().MemoryInUse >= 8*(requestBase+payloadFirst)
+	})
+	if st := srv.Stats(); st.MemoryInUse > 8*(requestBase+payloadFirst) {
+		t.Fatalf("eight withheld payloads hold %d bytes, more than payloadFirst each", st.MemoryInUse)
+	}
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	p := bytes.Repeat([]byte{0x42}, 4096)
+	c.request(cmdWrite, 0, 1, 0, 4096, p)
+	c.request(cmdRead, 0, 2, 0, 4096, nil)
+	if h, errno, _ := c.simple(0); h != 1 || errno != 0 {
+		t.Fatalf("honest write: handle %d errno %d", h, errno)
+	}
+	if h, errno, got := c.simple(4096); h != 2 || errno != 0 || !bytes.Equal(got, p) {
+		t.Fatalf("honest read: handle %d errno %d", h, errno)
+	}
+}
+
+// A client that stops sending a payload it announced is closed after
+// ReplyTimeout, its memory goes back, and the server serves the next.
+func TestPayloadTimeout(t *testing.T) {
+	srv := &Server{ReplyTimeout: 200 * time.Millisecond}
+	f := newTFix(t, srv)
+	s := dialRaw(t, f.sock)
+	s.connect("t", false, false)
+	s.request(cmdWrite, 0, 1, 0, 8192, make([]byte, 100)) // 100 of 8192 bytes
+	if !s.closed() {
+		t.Fatal("the connection got a reply instead of being closed")
+	}
+	st := srv.Stats()
+	if st.PayloadTimeouts != 1 || st.ReplyTimeouts != 0 {
+		t.Fatalf("PayloadTimeouts %d, ReplyTimeouts %d; want 1 and 0", st.PayloadTimeouts, st.ReplyTimeouts)
+	}
+	waitFor(t, "the memory to come back", func() bool { return srv.Stats().MemoryInUse == 0 })
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	c.request(cmdRead, 0, 2, 0, 512, nil)
+	if h, errno, _ := c.simple(512); h != 2 || errno != 0 {
+		t.Fatalf("next client: handle %d errno %d", h, errno)
+	}
+}
+
+// A write longer than payloadFirst whose rest does not fit the memory
+// left is written as it arrives, one payloadFirst piece at a time, instead
+// of waiting, holding its first part, for memory others hold.
+func TestLongWriteStreamsWhenMemoryIsShort(t *testing.T) {
+	const held = MaxPayload - payloadFirst - payloadFirst/2 // leaves 1.5 MiB
+	gate := &gateDev{Device: backing.NewMem("g", held), at: 0, entered: make(chan struct{}), release: make(chan struct{})}
+	dst := backing.NewMem("d", 4*payloadFirst)
+	x := newExport(t, "m", seg{len: held, dev: gate}, seg{len: 4 * payloadFirst, dev: dst})
+	srv := &Server{Exports: []*Export{x}, Memory: 1} // the least: maxCost
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	c := dialRaw(t, sock)
+	c.connect("m", false, false)
+	c.request(cmdRead, 0, 1, 0, held, nil) // holds all but 1.5 MiB of memory at the gate
+	<-gate.entered
+	w := dialRaw(t, sock)
+	w.connect("m", false, false)
+	p := pattern(2*payloadFirst+4096, 0x77)
+	w.request(cmdWrite, 0, 2, held, uint32(len(p)), p)
+	if h, errno, _ := w.simple(0); h != 2 || errno != 0 {
+		t.Fatalf("write: handle %d errno %d", h, errno)
+	}
+	got := make([]byte, len(p))
+	dst.ReadAt(got, 0)
+	if !bytes.Equal(got, p) {
+		t.Fatal("the streamed write's bytes differ")
+	}
+	close(gate.release)
+	if h, errno, _ := c.simple(int(held)); h != 1 || errno != 0 {
+		t.Fatalf("gated read: handle %d errno %d", h, errno)
+	}
+	waitFor(t, "the memory to come back", func() bool { return srv.Stats().MemoryInUse == 0 })
+}

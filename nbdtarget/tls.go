@@ -301,6 +301,7 @@ func (c *conn) startTLS(data []byte) error {
 
 // close closes the connection, telling a TLS peer first (close_notify).
 func (c *conn) close() {
+	c.stop()
 	if c.tls != nil {
 		c.tls.Close()
 		return

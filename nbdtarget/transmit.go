@@ -105,7 +105,10 @@ type conn struct {
 	window window // the client's queue depth, as the reader sees it; under rmu
 
 	stopped       atomic.Bool
+	stopCtx       context.Context // done once stopped: ends a wait for memory
+	stop          context.CancelFunc
 	writeSince    atomic.Int64 // Server.ticks+1 when the current write began; 0 when not writing
+	payloadSince  atomic.Int64 // Server.ticks+1 when the reader began to wait for a payload; 0 when not
 	replyTimedOut atomic.Bool
 }
 
@@ -190,7 +193,7 @@ func (c *conn) left() {
 
 // quiet reports whether err is an ordinary way for a connection to end.
 func (c *conn) quiet(err error) bool {
-	return errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) ||
+	return errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, context.Canceled) ||
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) ||
 		(c.stopped.Load() && errors.Is(err, os.ErrDeadlineExceeded))
 }
@@ -199,6 +202,7 @@ func (c *conn) quiet(err error) bool {
 // complete and get their replies. Used by Shutdown.
 func (c *conn) stopReading() {
 	c.stopped.Store(true)
+	c.stop()
 	c.nc.SetReadDeadline(time.Now())
 }
 
@@ -540,23 +544,49 @@ func cost(r *request) int64 {
 	return requestBase
 }
 
-// charge takes j's memory from the connection's and the server's budgets,
-// waiting (in arrival order) until both have it. Only the holder of the
-// read token charges, so a connection waits without reading further.
-func (c *conn) charge(j *job) {
-	j.cost = cost(&j.req)
-	if !c.mem.TryAcquire(j.cost) {
+// charge takes n more bytes for j from the connection's and the server's
+// budgets, waiting (in arrival order) until both have them. Only the
+// holder of the read token charges, so a connection waits without reading
+// further. The wait ends with an error, and j's memory given back, once
+// the connection is stopped (Shutdown, RemoveExport), which would
+// otherwise wait for memory that other connections hold.
+func (c *conn) charge(j *job, n int64) error {
+	if !c.mem.TryAcquire(n) {
 		c.queued.Store(false) // waiting: send what is held back first
 		c.yieldReplies()
-		c.mem.Acquire(context.Background(), j.cost)
+		if err := c.mem.Acquire(c.stopCtx, n); err != nil {
+			c.uncharge(j)
+			return err
+		}
 	}
-	if !c.srv.mem.TryAcquire(j.cost) {
+	if !c.srv.mem.TryAcquire(n) {
 		c.srv.counters.memWaits.Add(1)
 		c.queued.Store(false)
 		c.yieldReplies()
-		c.srv.mem.Acquire(context.Background(), j.cost)
+		if err := c.srv.mem.Acquire(c.stopCtx, n); err != nil {
+			c.mem.Release(n)
+			c.uncharge(j)
+			return err
+		}
 	}
-	c.srv.counters.memInUse.Add(j.cost)
+	c.srv.counters.memInUse.Add(n)
+	j.cost += n
+	return nil
+}
+
+// tryCharge is charge without waiting: false, and nothing taken, if
+// either budget is short.
+func (c *conn) tryCharge(j *job, n int64) bool {
+	if !c.mem.TryAcquire(n) {
+		return false
+	}
+	if !c.srv.mem.TryAcquire(n) {
+		c.mem.Release(n)
+		return false
+	}
+	c.srv.counters.memInUse.Add(n)
+	j.cost += n
+	return true
 }
 
 // uncharge gives j's memory back.
@@ -570,44 +600,92 @@ func (c *conn) uncharge(j *job) {
 	j.cost = 0
 }
 
-// readPayload charges the request's memory and reads a WRITE's payload. A
-// WRITE longer than MaxPayload is written as it arrives (writeStream).
+// payloadFirst is how much of a WRITE's payload is charged before any of
+// it has come: a longer payload is charged the rest only once its first
+// payloadFirst bytes are in. The reader reads one payload at a time, so a
+// client that announces payloads and withholds them holds at most this
+// much (and requestBase) per connection, until ReplyTimeout closes it
+// (watchReplies), instead of MaxPayload, which 8 connections' worth of
+// headers would have taken the whole default Memory with.
+const payloadFirst = 1 << 20
+
+// readPayload charges the request's memory and reads a WRITE's payload.
+// A WRITE longer than payloadFirst is charged in two steps (payloadFirst),
+// and written as it arrives (writeStream) when it is longer than
+// MaxPayload, or when the memory for the rest of it is not free at once:
+// waiting for it while holding the first part could leave every
+// connection holding part of what the others wait for.
 func (c *conn) readPayload(j *job) error {
 	r := &j.req
-	c.charge(j)
-	if r.Type != cmdWrite || r.Length == 0 {
-		return nil
+	if r.Type != cmdWrite || r.Length <= payloadFirst {
+		if err := c.charge(j, cost(r)); err != nil {
+			return err
+		}
+		if r.Type != cmdWrite || r.Length == 0 {
+			return nil
+		}
+		j.setBuf(int(r.Length))
+		return c.readFull(j, j.buf)
 	}
 	if r.Length > MaxPayload {
-		return c.writeStream(j)
+		if err := c.charge(j, cost(r)); err != nil {
+			return err
+		}
+		j.setBuf(streamPiece)
+		return c.writeStream(j, 0)
 	}
+	if err := c.charge(j, requestBase+payloadFirst); err != nil {
+		return err
+	}
+	j.setBuf(payloadFirst)
+	if err := c.readFull(j, j.buf); err != nil {
+		return err
+	}
+	if !c.tryCharge(j, cost(r)-j.cost) {
+		return c.writeStream(j, payloadFirst)
+	}
+	first := j.bufp
 	j.setBuf(int(r.Length))
-	c.mayBlock(len(j.buf))
-	if _, err := io.ReadFull(c.br, j.buf); err != nil {
+	copy(j.buf[:payloadFirst], (*first)[:payloadFirst])
+	putBuf(first)
+	return c.readFull(j, j.buf[payloadFirst:])
+}
+
+// readFull reads p, part of j's payload, from the connection. While the
+// client has yet to send some of it, the server's watch closes the
+// connection if it has not come within ReplyTimeout (payloadSince). On
+// failure j's memory goes back.
+func (c *conn) readFull(j *job, p []byte) error {
+	c.mayBlock(len(p))
+	if c.br.Buffered() < len(p) {
+		c.payloadSince.Store(c.srv.ticks.Load() + 1)
+		defer c.payloadSince.Store(0)
+	}
+	if _, err := io.ReadFull(c.br, p); err != nil {
 		c.uncharge(j)
 		return err
 	}
 	return nil
 }
 
-// writeStream runs a WRITE longer than MaxPayload while its payload
-// arrives: one streamPiece at a time, read from the socket and written to
-// the export, so it never holds more than one piece. The whole payload is
-// consumed even after a piece fails, so that the stream stays in sync; the
-// request is then failed with that piece's error. It runs on the reader,
-// holding the read token: nothing else can be read from the connection
-// until the payload has been.
-func (c *conn) writeStream(j *job) error {
+// writeStream runs a WRITE while its payload arrives: one piece at a time
+// through j.buf, read from the socket and written to the export, so it
+// never holds more than one piece; the first have bytes are in j.buf
+// already. The whole payload is consumed even after a piece fails, so that
+// the stream stays in sync; the request is then failed with that piece's
+// error. It runs on the reader, holding the read token: nothing else can
+// be read from the connection until the payload has been.
+func (c *conn) writeStream(j *job, have int) error {
 	r := &j.req
 	j.ran = true
 	j.errno, j.msg = c.check(r)
-	j.setBuf(streamPiece)
+	piece := int64(len(j.buf))
 	off, left := int64(r.Offset), int64(r.Length)
 	for left > 0 {
-		p := j.buf[:min(left, streamPiece)]
-		c.mayBlock(len(p))
-		if _, err := io.ReadFull(c.br, p); err != nil {
-			c.uncharge(j)
+		p := j.buf[:min(left, piece)]
+		if have > 0 {
+			p, have = j.buf[:have], 0
+		} else if err := c.readFull(j, p); err != nil {
 			return err
 		}
 		if j.errno == 0 {
@@ -1090,6 +1168,17 @@ func (c *conn) lockSend() {
 // cost a timer update.
 func (c *conn) writing() {
 	c.writeSince.Store(c.srv.ticks.Load() + 1)
+}
+
+// payloadStuck closes a connection whose client has not sent the payload
+// it announced within ReplyTimeout, which would otherwise hold the
+// memory charged for it.
+func (c *conn) payloadStuck() {
+	if c.replyTimedOut.CompareAndSwap(false, true) {
+		c.srv.counters.payloadTimeouts.Add(1)
+		c.log.Warn("nbd client stopped sending a write's payload: closing the connection", "timeout", c.srv.replyTimeout())
+		c.nc.Close()
+	}
 }
 
 // replyStuck closes a connection whose client has taken none of its
