@@ -24,16 +24,18 @@ const (
 // The exported fields may be changed after New, but only before first use.
 type Engine struct {
 	// Window, when positive, is how long the first trim of a batch waits
-	// for others to join it. 0, the default, batches by group commit: a
-	// trim that finds no discard in flight is issued at once, and the trims
-	// that arrive while discards are in flight gather into one batch,
-	// issued as soon as those have completed (see the package comment).
+	// for others to join it. 0, the default, batches by group commit, per
+	// device: a trim's part for a device with no discard in flight is
+	// issued at once, and the parts that arrive while the device has
+	// discards in flight gather into the device's batch, issued as soon as
+	// those have completed (see the package comment).
 	Window time.Duration
 	// PerRequest issues each trim's own plan at once: sorted and merged
 	// within the request, never batched with others. Benchmark baseline.
 	PerRequest bool
-	// MaxRanges and MaxBytes bound a batch: the trim that reaches either
-	// issues the batch without waiting any longer.
+	// MaxRanges and MaxBytes bound what the engine holds gathering, over
+	// all devices: the trim that reaches either issues every gathering
+	// batch without waiting any longer.
 	MaxRanges int
 	MaxBytes  int64
 	// Baseline issues every mapped range at once, in arrival order, without
@@ -44,19 +46,22 @@ type Engine struct {
 	Observe func(device, op string, d time.Duration)
 	// OnPanic, if set, is called with the value and stack of every panic
 	// the engine recovers from a device call. Those calls run on the
-	// caller's goroutine, on the batch timer's and on one goroutine per
-	// device; a panic on any of them fails only the requests waiting for
-	// that device call, with an error wrapping backing.ErrPanic, and the
-	// engine goes on.
+	// caller's goroutine and on the goroutines it starts, one per further
+	// device (and Limits on whichever goroutine seals a batch, the batch
+	// timer's among them); a panic on any of them fails only
+	// the requests waiting for that device call, with an error wrapping
+	// backing.ErrPanic, and the engine goes on.
 	OnPanic func(v any, stack []byte)
 
 	mu      sync.Mutex
-	batch   *batch // gathering trims; nil if none
 	devs    map[backing.Device]*device
 	order   []*device
-	pending atomic.Bool // batch != nil, or something is in flight: Claim's fast path
-	flying  int         // in-flight device plans, guarded by mu
-	plans   uint64      // device plans ever issued, guarded by mu; numbers them
+	window  *time.Timer // Window > 0: seals every gathering batch; nil if none gathers
+	batches int         // gathering batches (at most one per device)
+	ranges  int         // ranges in them: MaxRanges bounds this
+	bytes   int64       // bytes in them: MaxBytes bounds this
+	flying  int         // in-flight device plans
+	pending atomic.Bool // batches > 0 || flying > 0: Claim's fast path
 }
 
 // device is the engine's state for one backing device.
@@ -67,9 +72,9 @@ type device struct {
 	stats     counters
 
 	// Guarded by Engine.mu.
-	gathering *pending    // this device's part of the gathering batch
-	lo, hi    int64       // bounds of gathering.in
+	gathering *batch      // this device's trims waiting to be issued; nil if none
 	inflight  []*inflight // issued discard plans not yet complete
+	plans     uint64      // discard plans ever issued on this device; numbers them
 }
 
 // inflight is one device's issued discard calls. Claim waits for those it
@@ -77,7 +82,7 @@ type device struct {
 // and is then undone by it.
 type inflight struct {
 	calls []backing.Range // ascending
-	seq   uint64          // the plan's number (Engine.plans)
+	seq   uint64          // the plan's number on its device (device.plans)
 	// done is made by the first Claim that waits for these calls and
 	// closed when they complete, both under Engine.mu: most discards are
 	// never waited for, and then cost no channel.
@@ -87,40 +92,66 @@ type inflight struct {
 
 // register records fl as in flight on st and numbers it. e.mu must be held.
 func (e *Engine) register(st *device, fl *inflight) {
-	fl.seq = e.plans
-	e.plans++
+	fl.seq = st.plans
+	st.plans++
 	st.inflight = append(st.inflight, fl)
 	e.flying++
+	e.pending.Store(true)
 }
 
 // land removes fl from st's calls in flight, waking the Claims that wait
-// for it and a batch whose turn it was. e.mu must be held.
+// for it, and, if it was the last plan st's gathering batch waited for,
+// that batch. e.mu must be held.
 func (e *Engine) land(st *device, fl *inflight) {
 	st.inflight = removeInflight(st.inflight, fl)
 	e.flying--
-	e.landed(fl.seq)
+	if b := st.gathering; b != nil && e.Window <= 0 && fl.seq < b.after {
+		if b.waiting--; b.waiting == 0 {
+			b.open()
+		}
+	}
 	if fl.done != nil {
 		close(fl.done)
 	}
+	e.setPending()
 }
 
-// batch is the trims gathering to be issued together.
+// setPending updates Claim's fast-path flag. e.mu must be held.
+func (e *Engine) setPending() {
+	e.pending.Store(e.batches > 0 || e.flying > 0)
+}
+
+// batch is one device's part of the trims issued together: gathered while
+// the device had discards in flight (or while a window was open), or, for a
+// trim that finds the device idle, that trim's ranges alone, issued at once.
+// The trim that made it (its lead) issues it, on its own goroutine or on
+// one it starts, when its turn comes; every trim with ranges in it waits
+// for done.
 type batch struct {
-	devs   []*device
+	st     *device
+	p      pending // the ranges gathered and claimed; emptied when sealed
+	lo, hi int64   // bounds of p.in
 	ranges int
 	bytes  int64
-	timer  *time.Timer // Window > 0: seals the batch
-	sealed bool
-	done   chan struct{}
-	errs   map[*device]error // set before done is closed
+	// gathering: st.gathering is this batch, and it is counted in
+	// Engine.batches, ranges and bytes.
+	gathering bool
 
-	// Group commit (Window 0): the batch is issued once the device plans
-	// that were in flight when it began (those numbered below after) have
+	// Group commit (Window 0): the batch's turn comes once the plans that
+	// were in flight on st when it began (those numbered below after) have
 	// completed; turn is closed then, or when the batch is sealed early.
 	after   uint64
 	waiting int // of those plans, how many are still in flight
 	turn    chan struct{}
 	turned  bool
+
+	// Set by seal, under Engine.mu.
+	sealed bool
+	fl     inflight // the calls; in flight while they run, if any
+	lim    backing.Limits
+
+	err  error         // the device's error; set before done is closed
+	done chan struct{} // closed when the batch's calls have completed
 }
 
 // open closes b.turn once. e.mu must be held.
@@ -162,64 +193,8 @@ func (e *Engine) Discard(exts []Extent) error {
 	if e.PerRequest {
 		return e.DiscardNow(exts)
 	}
-
 	e.mu.Lock()
-	if e.batch == nil && e.flying == 0 && e.Window <= 0 {
-		// Nothing gathering, nothing in flight: a batch of this trim
-		// alone would be issued at once. Issue it without one; the trims
-		// that arrive meanwhile gather behind it.
-		return e.now(exts)
-	}
-	b := e.batch
-	lead := b == nil
-	if lead {
-		b = &batch{done: make(chan struct{}), turn: make(chan struct{})}
-		e.batch = b
-		e.pending.Store(true)
-		if e.Window > 0 {
-			b.timer = time.AfterFunc(e.Window, func() { e.seal(b) })
-		} else {
-			b.after, b.waiting = e.plans, e.flying
-			if b.waiting == 0 {
-				b.open() // nothing in flight to wait for: issue it now
-			}
-		}
-	}
-	var mine []*device
-	for _, x := range exts {
-		if x.Len <= 0 {
-			continue
-		}
-		st := e.device(x.Dev)
-		g := st.gathering
-		if g == nil {
-			g = &pending{dev: x.Dev}
-			st.gathering = g
-			st.lo, st.hi = x.Off, x.Off+x.Len
-			b.devs = append(b.devs, st)
-		}
-		r := backing.Range{Off: x.Off, Len: x.Len}
-		g.in = append(g.in, r)
-		st.lo, st.hi = min(st.lo, r.Off), max(st.hi, r.End())
-		st.stats.received([]backing.Range{r})
-		b.ranges++
-		b.bytes += x.Len
-		mine = appendUnique(mine, st)
-	}
-	full := b.ranges >= e.MaxRanges || b.bytes >= e.MaxBytes
-	e.mu.Unlock()
-
-	switch {
-	case full:
-		e.seal(b)
-	case lead && e.Window <= 0:
-		// The batch's first trim issues it when its turn comes; the
-		// others wait for it below.
-		<-b.turn
-		e.seal(b)
-	}
-	<-b.done
-	return joinErrs(mine, func(st *device) error { return b.errs[st] })
+	return e.issue(exts, false)
 }
 
 // DiscardNow is Discard without waiting for other trims to batch with:
@@ -232,15 +207,187 @@ func (e *Engine) DiscardNow(exts []Extent) error {
 		return e.discardEach(exts)
 	}
 	e.mu.Lock()
-	return e.now(exts)
+	return e.issue(exts, true)
 }
 
-// one is now for a single extent, the trim of a linear table: the same
+// idle reports whether a trim's part for st is issued at once: with group
+// commit, when nothing of st is gathering or in flight. e.mu must be held.
+func (e *Engine) idle(st *device) bool {
+	return e.Window <= 0 && st.gathering == nil && len(st.inflight) == 0
+}
+
+// issue is Discard (now false) and DiscardNow (now true) once the lock is
+// held. Per device, the trim's ranges are issued at once (now, or the
+// device is idle) or join the device's gathering batch, starting one if
+// there is none; the trim then issues the batches it started and waits for
+// every batch it joined. Devices never wait for each other: each device's
+// batch has its own turn and its own completion, and a trim over several
+// devices issues its batches concurrently. e.mu must be held; issue unlocks
+// it.
+func (e *Engine) issue(exts []Extent, now bool) error {
+	if len(exts) == 1 && exts[0].Len > 0 {
+		if st := e.device(exts[0].Dev); now || e.idle(st) {
+			// Nothing gathering, nothing in flight: a batch of this
+			// trim alone would be issued at once. Issue it without one;
+			// the trims that arrive meanwhile gather behind it.
+			return e.one(st, exts[0])
+		}
+	}
+	parts := group(exts)
+	joined := make([]*batch, len(parts)) // in device order, for the errors
+	var lead []*batch                    // the batches this trim issues
+	for i, p := range parts {
+		st := e.device(p.dev)
+		st.stats.received(p.in)
+		b := st.gathering
+		switch {
+		case now || e.idle(st):
+			b = &batch{st: st, p: *p, turn: closed, turned: true, done: make(chan struct{})}
+			e.seal(b)
+			lead = append(lead, b)
+		case b == nil:
+			b = e.gather(st)
+			lead = append(lead, b)
+			fallthrough
+		default:
+			b.add(e, p.in)
+		}
+		joined[i] = b
+	}
+	if e.ranges >= e.MaxRanges || e.bytes >= e.MaxBytes {
+		e.sealAll() // full: what gathers is issued without waiting any longer
+	}
+	e.mu.Unlock()
+
+	for i, b := range lead {
+		if i == len(lead)-1 {
+			e.run(b) // the last on this goroutine
+		} else {
+			go e.run(b)
+		}
+	}
+	for _, b := range joined {
+		<-b.done
+	}
+	return joinErrs(joined)
+}
+
+// closed is the turn of a batch issued at once.
+var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// gather starts st's gathering batch. With group commit it waits for the
+// plans now in flight on st (there is at least one: an idle device's trims
+// are issued at once); with a window, for the window's timer, started by
+// the first batch to gather. e.mu must be held.
+func (e *Engine) gather(st *device) *batch {
+	b := &batch{
+		st:        st,
+		p:         pending{dev: st.dev},
+		gathering: true,
+		after:     st.plans,
+		waiting:   len(st.inflight),
+		turn:      make(chan struct{}),
+		done:      make(chan struct{}),
+	}
+	st.gathering = b
+	e.batches++
+	if e.Window > 0 && e.window == nil {
+		var t *time.Timer
+		t = time.AfterFunc(e.Window, func() {
+			e.mu.Lock()
+			if e.window == t {
+				e.sealAll()
+			}
+			e.mu.Unlock()
+		})
+		e.window = t
+	}
+	e.setPending()
+	return b
+}
+
+// add puts rs into gathering batch b. e.mu must be held.
+func (b *batch) add(e *Engine, rs []backing.Range) {
+	for _, r := range rs {
+		if len(b.p.in) == 0 {
+			b.lo, b.hi = r.Off, r.End()
+		}
+		b.lo, b.hi = min(b.lo, r.Off), max(b.hi, r.End())
+		b.p.in = append(b.p.in, r)
+		b.ranges++
+		b.bytes += r.Len
+		e.ranges++
+		e.bytes += r.Len
+	}
+}
+
+// sealAll seals every gathering batch. e.mu must be held.
+func (e *Engine) sealAll() {
+	for _, st := range e.order {
+		if b := st.gathering; b != nil {
+			e.seal(b)
+		}
+	}
+}
+
+// seal closes batch b to new trims and claims, plans it and registers its
+// calls as in flight; b's lead, woken by its turn, then issues them (run).
+// Registering under the same lock that took the ranges out of the gathering
+// batch leaves no moment in which a Claim could miss them. Later calls do
+// nothing. e.mu must be held.
+func (e *Engine) seal(b *batch) {
+	if b.sealed {
+		return
+	}
+	b.sealed = true
+	b.open()
+	st := b.st
+	if b.gathering {
+		b.gathering = false
+		st.gathering = nil
+		e.batches--
+		e.ranges -= b.ranges
+		e.bytes -= b.bytes
+		if e.batches == 0 && e.window != nil {
+			e.window.Stop()
+			e.window = nil
+		}
+	}
+	dp := planDevice(OpDiscard, &b.p, e)
+	b.p = pending{}
+	st.stats.mergedAway.Add(uint64(dp.MergedAway()))
+	b.fl.calls, b.lim, b.err = dp.Calls, dp.Limits, dp.err
+	if len(b.fl.calls) > 0 {
+		e.register(st, &b.fl)
+	}
+	e.setPending()
+}
+
+// run issues batch b when its turn comes (sealing it if nobody has yet)
+// and answers its trims. Only b's lead runs it.
+func (e *Engine) run(b *batch) {
+	<-b.turn
+	e.mu.Lock()
+	e.seal(b)
+	e.mu.Unlock()
+	err := b.err
+	if err == nil {
+		err = e.discardCalls(b.st, b.fl.calls, b.lim)
+	}
+	e.mu.Lock()
+	if len(b.fl.calls) > 0 {
+		e.land(b.st, &b.fl)
+	}
+	e.mu.Unlock()
+	b.err = err
+	close(b.done)
+}
+
+// one is issue for a single extent, the trim of a linear table: the same
 // plan (cut to the device's granularity, split at its maximum as issued)
 // without the grouping, sorting and merging a single range does not need,
 // issued on the caller's goroutine. e.mu must be held; one unlocks it.
-func (e *Engine) one(x Extent) error {
-	st := e.device(x.Dev)
+func (e *Engine) one(st *device, x Extent) error {
 	r := backing.Range{Off: x.Off, Len: x.Len}
 	st.stats.received1(r)
 	lim, err := e.limits(x.Dev)
@@ -253,13 +400,11 @@ func (e *Engine) one(x Extent) error {
 	fl.one[0] = c
 	fl.calls = fl.one[:]
 	e.register(st, fl)
-	e.pending.Store(true)
 	e.mu.Unlock()
 
 	err = e.discardCalls(st, fl.calls, lim)
 	e.mu.Lock()
 	e.land(st, fl)
-	e.pending.Store(e.batch != nil || e.flying > 0)
 	e.mu.Unlock()
 	return errors.Join(err)
 }
@@ -273,122 +418,6 @@ func (e *Engine) limits(d backing.Device) (lim backing.Limits, err error) {
 		return nil
 	})
 	return lim, err
-}
-
-// now issues exts, sorted and merged, at once. e.mu must be held; now
-// unlocks it.
-func (e *Engine) now(exts []Extent) error {
-	if len(exts) == 1 && exts[0].Len > 0 {
-		return e.one(exts[0])
-	}
-	devs := group(exts)
-	sts := make([]*device, len(devs))
-	for i, p := range devs {
-		sts[i] = e.device(p.dev)
-		sts[i].stats.received(p.in)
-	}
-	errs := e.launch(plan(OpDiscard, devs, e), sts)
-	return joinErrs(sts, errs)
-}
-
-// seal closes batch b to new trims and issues it; the first caller does the
-// work, later ones (the timer or the first trim, after a full batch) return
-// at once.
-func (e *Engine) seal(b *batch) {
-	e.mu.Lock()
-	if b.sealed {
-		e.mu.Unlock()
-		return
-	}
-	b.sealed = true
-	if b.timer != nil {
-		b.timer.Stop()
-	}
-	b.open() // a first trim still waiting for its turn goes on to done
-	e.batch = nil
-	devs := make([]*pending, len(b.devs))
-	for i, st := range b.devs {
-		devs[i] = st.gathering
-		st.gathering = nil
-	}
-	wait := e.launch(plan(OpDiscard, devs, e), b.devs)
-	errs := make(map[*device]error)
-	for _, st := range b.devs {
-		if err := wait(st); err != nil {
-			errs[st] = err
-		}
-	}
-	b.errs = errs
-	close(b.done)
-}
-
-// launch registers plan p's device calls as in flight, unlocks e.mu, issues
-// them (devices concurrently, each device's calls in ascending order) and
-// returns a function that waits for one device. sts[i] is p.Devices[i]'s state.
-// Registering under the same lock that took the ranges out of the gathering
-// batch leaves no moment in which a Claim could miss them.
-func (e *Engine) launch(p Plan, sts []*device) func(*device) error {
-	type job struct {
-		fl       inflight
-		err      error
-		finished chan struct{} // closed when a device run on its own goroutine is done
-	}
-	jobs := make([]job, len(sts))
-	for i, st := range sts {
-		dp := p.Devices[i]
-		st.stats.mergedAway.Add(uint64(dp.MergedAway()))
-		j := &jobs[i]
-		j.fl.calls = dp.Calls
-		if len(dp.Calls) > 0 {
-			e.register(st, &j.fl)
-		}
-	}
-	e.pending.Store(e.batch != nil || e.flying > 0)
-	e.mu.Unlock()
-
-	for i, st := range sts {
-		j := &jobs[i]
-		run := func() {
-			j.err = p.Devices[i].err
-			if j.err == nil {
-				j.err = e.discardCalls(st, p.Devices[i].Calls, p.Devices[i].Limits)
-			}
-			e.mu.Lock()
-			if len(p.Devices[i].Calls) > 0 {
-				e.land(st, &j.fl)
-			}
-			e.pending.Store(e.batch != nil || e.flying > 0)
-			e.mu.Unlock()
-		}
-		if i == len(sts)-1 {
-			run() // the last device on this goroutine
-		} else {
-			j.finished = make(chan struct{})
-			go func() { defer close(j.finished); run() }()
-		}
-	}
-	return func(st *device) error {
-		i := slices.Index(sts, st)
-		if i < 0 {
-			return nil
-		}
-		if c := jobs[i].finished; c != nil {
-			<-c
-		}
-		return jobs[i].err
-	}
-}
-
-// landed notes that device plan seq has completed: the gathering batch's
-// turn comes when the last plan it waits for lands. e.mu must be held.
-func (e *Engine) landed(seq uint64) {
-	b := e.batch
-	if b == nil || b.timer != nil || seq >= b.after {
-		return
-	}
-	if b.waiting--; b.waiting == 0 {
-		b.open()
-	}
 }
 
 // discardCalls issues calls on one device in order, each split into pieces
@@ -472,8 +501,8 @@ func (e *Engine) Claim(dev backing.Device, off, n int64) {
 		e.mu.Unlock()
 		return
 	}
-	if st.gathering != nil && off < st.hi && st.lo < end {
-		st.gathering.claimed = append(st.gathering.claimed, backing.Range{Off: off, Len: n})
+	if b := st.gathering; b != nil && off < b.hi && b.lo < end {
+		b.p.claimed = append(b.p.claimed, backing.Range{Off: off, Len: n})
 	}
 	for _, fl := range st.inflight {
 		if overlaps(fl.calls, off, end) {
@@ -578,23 +607,15 @@ func (e *Engine) zero(st *device, r backing.Range, punch int, fast bool) error {
 	return nil
 }
 
-func joinErrs(sts []*device, errOf func(*device) error) error {
+// joinErrs is the errors of the devices of bs, in order.
+func joinErrs(bs []*batch) error {
 	var errs []error
-	for _, st := range sts {
-		if err := errOf(st); err != nil {
-			errs = append(errs, err)
+	for _, b := range bs {
+		if b.err != nil {
+			errs = append(errs, b.err)
 		}
 	}
 	return errors.Join(errs...)
-}
-
-func appendUnique(sts []*device, st *device) []*device {
-	for _, have := range sts {
-		if have == st {
-			return sts
-		}
-	}
-	return append(sts, st)
 }
 
 func removeInflight(fls []*inflight, fl *inflight) []*inflight {

@@ -7,11 +7,16 @@
 // send many small trims; issued as they come, the device sees random-order
 // discards of pieces that are often smaller than it can deallocate (mkfs.btrfs
 // became 50x slower this way, discarding once per DUP mirror, alternating
-// between two far-apart offsets). So trims are batched by group commit: a
-// trim that finds no discard in flight is issued at once, and the trims that
-// arrive while discards are in flight gather into one batch, issued as soon
-// as the discards it waited for have completed (Engine.Window instead holds
-// each batch open for a fixed time). The batch is planned per device:
+// between two far-apart offsets). So trims are batched by group commit, per
+// device: a trim's part for a device with no discard in flight is issued at
+// once, and the parts that arrive while the device has discards in flight
+// gather into the device's batch, issued as soon as the discards that were
+// in flight on that device when it began have completed (Engine.Window
+// instead holds the batches open for a fixed time). Per device, so that a
+// device whose discards are slow or hang holds back only its own trims: a
+// trim of another device never waits for it, and a trim over both is
+// issued at once on the idle one and answered when both are done. Each
+// device's batch is planned:
 //
 //  1. sort the device's ranges ascending and merge overlapping and adjacent
 //     ones (Merge);
@@ -21,8 +26,9 @@
 //     so shrinking is allowed; merging comes first so that adjacent pieces
 //     smaller than a granule still add up to whole granules.
 //
-// Devices are then discarded concurrently, each in ascending order, and every
-// trim in the batch is answered when the devices it touched are done.
+// Each device's calls are made in ascending order, and a trim is answered
+// when the batches of every device it touched are done; the batches of
+// different devices are issued independently and concurrently.
 //
 // Worked example: three trims gather on a device with a 4 KiB granularity,
 // and a write to 20K+2K arrives while they wait. One column is 1 KiB; | marks
@@ -46,9 +52,10 @@
 // Ordering with writes. NBD leaves the order of requests in flight together
 // to the server, but a write that arrives while a trim is still held here
 // must not be undone by it. The write path calls Claim before touching a
-// device: Claim cuts the range out of the gathering batch, and waits for any
-// discard already issued that overlaps it. A trim that arrives after the
-// Claim is concurrent with the write, so either outcome is correct.
+// device: Claim cuts the range out of the device's gathering batch, and
+// waits for any discard already issued that overlaps it. A trim that
+// arrives after the Claim is concurrent with the write, so either outcome
+// is correct.
 //
 // A device that answers backing.ErrNotSupported is remembered and skipped
 // from then on, and counted, not reported: a discard is only a hint.
@@ -56,13 +63,15 @@
 // Failures. A device's error reaches exactly the trims and write-zeroes that
 // waited for that device's calls; other devices in the same batch are
 // unaffected. A panic in a device call, on whatever goroutine the engine
-// made it (the caller's, the batch timer's, one per device), becomes an
-// error wrapping backing.ErrPanic and is reported to Engine.OnPanic; the
-// in-flight bookkeeping is released as after any call.
+// made it (the caller's, one per further device, or, for Limits, the batch
+// timer's), becomes an error wrapping backing.ErrPanic and is
+// reported to Engine.OnPanic; the in-flight bookkeeping is released as
+// after any call.
 //
-// Memory. A plan holds one range per merged range: a range longer than the
-// device's MaxBytes is split into calls only as they are issued. Written
-// zeros come from one shared read-only buffer (backing.WriteZeros).
+// Memory. What gathers is bounded by Engine.MaxRanges and MaxBytes over all
+// devices. A plan holds one range per merged range: a range longer
+// than the device's MaxBytes is split into calls only as they are issued.
+// Written zeros come from one shared read-only buffer (backing.WriteZeros).
 //
 // WRITE_ZEROES shares the planning but not the cutting (every byte must read
 // back as zeros) and is not held back: Zero tries the device's native

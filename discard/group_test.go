@@ -1,6 +1,7 @@
 package discard_test
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 
@@ -187,4 +188,188 @@ func TestLoneTrimLimitsPanic(t *testing.T) {
 	if got := discards(rec); !slices.Equal(got, []backing.Range{{Off: 0, Len: 64 << 10}}) {
 		t.Errorf("discard calls %v", got)
 	}
+}
+
+// Group commit is per device: a trim of a healthy device is issued at once
+// while another device's discard is held, instead of waiting behind it. A
+// device whose discards hang must not hold every other device's trims.
+func TestGroupCommitPerDevice(t *testing.T) {
+	eng := discard.New()
+	gateA, a := gated("a")
+	b := backing.NewRecorder(backing.NewMem("b", 1<<20))
+	held := trimAsync(eng, ext(a, 0, 64<<10))
+	nbdtest.Recv(t, gateA.entered, "the trim of a to reach the device")
+
+	healthy := trimAsync(eng, ext(b, 0, 64<<10))
+	if err := nbdtest.Recv(t, healthy, "the trim of b, while a's discard is held"); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := discards(b), []backing.Range{{Off: 0, Len: 64 << 10}}; !slices.Equal(got, want) {
+		t.Errorf("device b discards %v, want %v", got, want)
+	}
+	select {
+	case err := <-held:
+		t.Fatalf("the held trim of a returned (%v) before its discard was released", err)
+	default:
+	}
+	close(gateA.release)
+	if err := nbdtest.Recv(t, held, "the trim of a, released"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Trims of a healthy device still batch behind that device's own discards
+// in flight, and only those: not another device's held discard, and not
+// one issued on the same device after the batch began.
+func TestGroupCommitPerDeviceBatches(t *testing.T) {
+	eng := discard.New()
+	gateA, a := gated("a")
+	// b holds its first discard, and the one at 512K.
+	gateLater := &offsetGate{Device: backing.NewMem("b", 1<<20), off: 512 << 10, entered: make(chan struct{}), release: make(chan struct{})}
+	gateB := &gateDev{Device: gateLater, entered: make(chan struct{}), release: make(chan struct{})}
+	b := backing.NewRecorder(gateB)
+	heldA := trimAsync(eng, ext(a, 0, 64<<10))
+	nbdtest.Recv(t, gateA.entered, "the trim of a to reach the device")
+
+	first := trimAsync(eng, ext(b, 0, 64<<10))
+	nbdtest.Recv(t, gateB.entered, "the first trim of b to reach the device, while a's is held")
+	var rest []chan error
+	for i := range 3 {
+		rest = append(rest, trimAsync(eng, ext(b, int64(i+2)*64<<10, 64<<10)))
+	}
+	waitRangesIn(t, eng, 5)
+	if n := len(discards(b)); n != 1 {
+		t.Fatalf("%d discard calls on b while its first was running, want 1: the others must wait for it", n)
+	}
+	// Issued after the batch began, and held: it does not hold the batch
+	// back.
+	later := make(chan error, 1)
+	go func() { later <- eng.DiscardNow([]discard.Extent{ext(b, 512<<10, 64<<10)}) }()
+	nbdtest.Recv(t, gateLater.entered, "the later discard to reach device b")
+
+	close(gateB.release)
+	for i, c := range append([]chan error{first}, rest...) {
+		if err := nbdtest.Recv(t, c, "a trim of b, while a's discard and b's later one are held"); err != nil {
+			t.Fatalf("trim %d of b: %v", i, err)
+		}
+	}
+	close(gateLater.release)
+	if err := nbdtest.Recv(t, later, "the later discard of b"); err != nil {
+		t.Fatal(err)
+	}
+	want := []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 512 << 10, Len: 64 << 10}, {Off: 128 << 10, Len: 3 * 64 << 10}}
+	if got := discards(b); !slices.Equal(got, want) {
+		t.Errorf("device b discards %v, want the first, the later one, then the other three merged: %v", got, want)
+	}
+	select {
+	case err := <-heldA:
+		t.Fatalf("the held trim of a returned (%v) before its discard was released", err)
+	default:
+	}
+	close(gateA.release)
+	if err := nbdtest.Recv(t, heldA, "the trim of a, released"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A trim over two devices, one of them held: its part for the healthy
+// device is issued at once, and the trim returns when both are done.
+func TestGroupCommitSpanningDevices(t *testing.T) {
+	eng := discard.New()
+	gateA, a := gated("a")
+	b := backing.NewRecorder(backing.NewMem("b", 1<<20))
+	heldA := trimAsync(eng, ext(a, 0, 64<<10))
+	nbdtest.Recv(t, gateA.entered, "the trim of a to reach the device")
+
+	both := trimAsync(eng, ext(a, 128<<10, 64<<10), ext(b, 0, 64<<10))
+	nbdtest.Until(t, "the spanning trim's call to reach device b while a's discard is held", func() bool {
+		return len(discards(b)) == 1
+	})
+	select {
+	case err := <-both:
+		t.Fatalf("the spanning trim returned (%v) while its part on a waits for a's held discard", err)
+	default:
+	}
+	close(gateA.release)
+	if err := nbdtest.Recv(t, both, "the spanning trim"); err != nil {
+		t.Fatal(err)
+	}
+	if err := nbdtest.Recv(t, heldA, "the trim of a, released"); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := discards(a), []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 128 << 10, Len: 64 << 10}}; !slices.Equal(got, want) {
+		t.Errorf("device a discards %v, want %v", got, want)
+	}
+	if got, want := discards(b), []backing.Range{{Off: 0, Len: 64 << 10}}; !slices.Equal(got, want) {
+		t.Errorf("device b discards %v, want %v", got, want)
+	}
+}
+
+// A trim over two busy devices starts a batch on each. Each is issued
+// when its own device's earlier discards complete: the batch on b, joined
+// by a trim of b alone, does not wait for the one on a, whose discard is
+// still held.
+func TestGroupCommitSpanningBusyDevices(t *testing.T) {
+	for _, aFirst := range []bool{true, false} {
+		t.Run(fmt.Sprintf("a first %v", aFirst), func(t *testing.T) { spanningBusyDevices(t, aFirst) })
+	}
+}
+
+func spanningBusyDevices(t *testing.T, aFirst bool) {
+	eng := discard.New()
+	gateA, a := gated("a")
+	gateB, b := gated("b")
+	heldA := trimAsync(eng, ext(a, 0, 64<<10))
+	nbdtest.Recv(t, gateA.entered, "the trim of a to reach the device")
+	firstB := trimAsync(eng, ext(b, 0, 64<<10))
+	nbdtest.Recv(t, gateB.entered, "the trim of b to reach the device")
+
+	exts := []discard.Extent{ext(a, 128<<10, 64<<10), ext(b, 128<<10, 64<<10)}
+	if !aFirst {
+		slices.Reverse(exts)
+	}
+	both := trimAsync(eng, exts...)
+	waitRangesIn(t, eng, 4)
+	onlyB := trimAsync(eng, ext(b, 192<<10, 64<<10))
+	waitRangesIn(t, eng, 5)
+
+	close(gateB.release)
+	for i, c := range []chan error{firstB, onlyB} {
+		if err := nbdtest.Recv(t, c, "a trim of b alone, while a's discard is held"); err != nil {
+			t.Fatalf("trim %d of b: %v", i, err)
+		}
+	}
+	if got, want := discards(b), []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 128 << 10, Len: 2 * 64 << 10}}; !slices.Equal(got, want) {
+		t.Errorf("device b discards %v, want %v", got, want)
+	}
+	select {
+	case err := <-both:
+		t.Fatalf("the spanning trim returned (%v) while its part on a waits for a's held discard", err)
+	default:
+	}
+	close(gateA.release)
+	if err := nbdtest.Recv(t, both, "the spanning trim"); err != nil {
+		t.Fatal(err)
+	}
+	if err := nbdtest.Recv(t, heldA, "the trim of a, released"); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := discards(a), []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 128 << 10, Len: 64 << 10}}; !slices.Equal(got, want) {
+		t.Errorf("device a discards %v, want %v", got, want)
+	}
+}
+
+// offsetGate holds the discard that starts at off until release is closed.
+type offsetGate struct {
+	backing.Device
+	off              int64
+	entered, release chan struct{}
+}
+
+func (g *offsetGate) Discard(off, n int64) error {
+	if off == g.off {
+		close(g.entered)
+		<-g.release
+	}
+	return g.Device.Discard(off, n)
 }

@@ -117,31 +117,36 @@ func group(exts []Extent) []*pending {
 func plan(op Op, devs []*pending, issuer *Engine) Plan {
 	p := Plan{Op: op, Devices: make([]DevicePlan, 0, len(devs))}
 	for _, d := range devs {
-		dp := DevicePlan{
-			Dev:     d.dev,
-			In:      d.in,
-			Claimed: Merge(d.claimed),
-		}
-		if issuer == nil {
-			dp.Limits = d.dev.Limits()
-		} else {
-			dp.Limits, dp.err = issuer.limits(d.dev)
-		}
-		merged := Merge(d.in)
-		dp.mergedN = len(merged)
-		dp.Merged = Subtract(merged, dp.Claimed)
-		switch {
-		case dp.err != nil:
-		case op == OpDiscard && issuer != nil:
-			dp.Calls = cut(dp.Merged, dp.Limits)
-		case op == OpDiscard:
-			dp.Calls = Align(dp.Merged, dp.Limits)
-		default:
-			dp.Calls = dp.Merged
-		}
-		p.Devices = append(p.Devices, dp)
+		p.Devices = append(p.Devices, planDevice(op, d, issuer))
 	}
 	return p
+}
+
+// planDevice is plan for one device's ranges.
+func planDevice(op Op, d *pending, issuer *Engine) DevicePlan {
+	dp := DevicePlan{
+		Dev:     d.dev,
+		In:      d.in,
+		Claimed: Merge(d.claimed),
+	}
+	if issuer == nil {
+		dp.Limits = d.dev.Limits()
+	} else {
+		dp.Limits, dp.err = issuer.limits(d.dev)
+	}
+	merged := Merge(d.in)
+	dp.mergedN = len(merged)
+	dp.Merged = Subtract(merged, dp.Claimed)
+	switch {
+	case dp.err != nil:
+	case op == OpDiscard && issuer != nil:
+		dp.Calls = cut(dp.Merged, dp.Limits)
+	case op == OpDiscard:
+		dp.Calls = Align(dp.Merged, dp.Limits)
+	default:
+		dp.Calls = dp.Merged
+	}
+	return dp
 }
 
 // Merge returns rs sorted ascending with overlapping and adjacent ranges
