@@ -35,7 +35,9 @@ type Engine struct {
 	PerRequest bool
 	// MaxRanges and MaxBytes bound what the engine holds gathering, over
 	// all devices: the trim that reaches either issues every gathering
-	// batch without waiting any longer.
+	// batch without waiting any longer. A batch that holds more than
+	// MaxRanges ranges written since its trims arrived, once merged, is
+	// issued early too (see Claim).
 	MaxRanges int
 	MaxBytes  int64
 	// Baseline issues every mapped range at once, in arrival order, without
@@ -48,7 +50,7 @@ type Engine struct {
 	// the engine recovers from a device call. Those calls run on the
 	// caller's goroutine and on the goroutines it starts, one per further
 	// device (and Limits on whichever goroutine seals a batch, the batch
-	// timer's among them); a panic on any of them fails only
+	// timer's or a Claim's among them); a panic on any of them fails only
 	// the requests waiting for that device call, with an error wrapping
 	// backing.ErrPanic, and the engine goes on.
 	OnPanic func(v any, stack []byte)
@@ -63,6 +65,10 @@ type Engine struct {
 	flying  int         // in-flight device plans
 	pending atomic.Bool // batches > 0 || flying > 0: Claim's fast path
 }
+
+// minMergeAt is how many claimed ranges a gathering batch holds before
+// Claim first merges them (see batch.claim).
+const minMergeAt = 64
 
 // device is the engine's state for one backing device.
 type device struct {
@@ -133,6 +139,8 @@ type batch struct {
 	lo, hi int64   // bounds of p.in
 	ranges int
 	bytes  int64
+	// mergeAt is the length at which Claim next merges p.claimed.
+	mergeAt int
 	// gathering: st.gathering is this batch, and it is counted in
 	// Engine.batches, ranges and bytes.
 	gathering bool
@@ -284,6 +292,7 @@ func (e *Engine) gather(st *device) *batch {
 		st:        st,
 		p:         pending{dev: st.dev},
 		gathering: true,
+		mergeAt:   minMergeAt,
 		after:     st.plans,
 		waiting:   len(st.inflight),
 		turn:      make(chan struct{}),
@@ -318,6 +327,25 @@ func (b *batch) add(e *Engine, rs []backing.Range) {
 		b.bytes += r.Len
 		e.ranges++
 		e.bytes += r.Len
+	}
+}
+
+// claim records that r, which overlaps b's ranges, was written: it will not
+// be discarded. Claims are merged whenever they have doubled since the last
+// merge (and reached minMergeAt), so a batch holds at most
+// max(2*MaxRanges, minMergeAt) of them however many writes arrive; a batch
+// whose claims still number more than MaxRanges once merged is sealed
+// early, as a full one is (a trim is advisory: issuing it now only means
+// it batches less). e.mu must be held.
+func (b *batch) claim(e *Engine, r backing.Range) {
+	b.p.claimed = append(b.p.claimed, r)
+	if len(b.p.claimed) < b.mergeAt {
+		return
+	}
+	b.p.claimed = mergeInPlace(b.p.claimed)
+	b.mergeAt = max(2*len(b.p.claimed), minMergeAt)
+	if len(b.p.claimed) > e.MaxRanges {
+		e.seal(b)
 	}
 }
 
@@ -410,8 +438,8 @@ func (e *Engine) one(st *device, x Extent) error {
 }
 
 // limits asks d for its limits. The engine plans on the batch timer's
-// goroutine too, so a panic in Limits becomes the error of the trims that
-// wait for d.
+// goroutine and the write path's (a Claim that seals a batch) too, so a
+// panic in Limits becomes the error of the trims that wait for d.
 func (e *Engine) limits(d backing.Device) (lim backing.Limits, err error) {
 	err = backing.Guard(d.Name(), e.OnPanic, func() error {
 		lim = d.Limits()
@@ -489,6 +517,12 @@ func (e *Engine) call(st *device, op string, fn func() error) error {
 // the engine holds: the trim either never covers the written range or has
 // finished before the write starts. (A trim that arrives after the Claim is
 // concurrent with the write, and NBD leaves their order to the server.)
+//
+// The claimed ranges a gathering batch holds are bounded whatever the
+// number of writes: they are merged as they double, and a batch with more
+// than MaxRanges of them once merged is sealed and issued at once, without
+// waiting for its turn (see batch.claim). Claim never waits for that
+// batch's calls: they do not touch the range it claimed.
 func (e *Engine) Claim(dev backing.Device, off, n int64) {
 	if n <= 0 || !e.pending.Load() {
 		return
@@ -502,7 +536,7 @@ func (e *Engine) Claim(dev backing.Device, off, n int64) {
 		return
 	}
 	if b := st.gathering; b != nil && off < b.hi && b.lo < end {
-		b.p.claimed = append(b.p.claimed, backing.Range{Off: off, Len: n})
+		b.claim(e, backing.Range{Off: off, Len: n})
 	}
 	for _, fl := range st.inflight {
 		if overlaps(fl.calls, off, end) {

@@ -64,12 +64,15 @@
 // waited for that device's calls; other devices in the same batch are
 // unaffected. A panic in a device call, on whatever goroutine the engine
 // made it (the caller's, one per further device, or, for Limits, the batch
-// timer's), becomes an error wrapping backing.ErrPanic and is
+// timer's or a Claim's), becomes an error wrapping backing.ErrPanic and is
 // reported to Engine.OnPanic; the in-flight bookkeeping is released as
 // after any call.
 //
 // Memory. What gathers is bounded by Engine.MaxRanges and MaxBytes over all
-// devices. A plan holds one range per merged range: a range longer
+// devices. The ranges written while a batch gathers are merged whenever
+// they double, so a batch holds at most max(2*MaxRanges, 64) of them
+// however many writes arrive, and one holding more than MaxRanges merged is
+// issued early. A plan holds one range per merged range: a range longer
 // than the device's MaxBytes is split into calls only as they are issued.
 // Written zeros come from one shared read-only buffer (backing.WriteZeros).
 //

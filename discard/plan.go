@@ -162,9 +162,18 @@ func Merge(rs []backing.Range) []backing.Range {
 			s = append(s, r)
 		}
 	}
-	slices.SortFunc(s, func(a, b backing.Range) int { return cmp.Compare(a.Off, b.Off) })
-	out := s[:0]
-	for _, r := range s {
+	return mergeInPlace(s)
+}
+
+// mergeInPlace is Merge reusing rs's array: rs is sorted and the merged
+// ranges are written over its start.
+func mergeInPlace(rs []backing.Range) []backing.Range {
+	slices.SortFunc(rs, func(a, b backing.Range) int { return cmp.Compare(a.Off, b.Off) })
+	out := rs[:0]
+	for _, r := range rs {
+		if r.Len <= 0 {
+			continue
+		}
 		if k := len(out) - 1; k >= 0 && r.Off <= out[k].End() {
 			out[k].Len = max(out[k].End(), r.End()) - out[k].Off
 			continue
