@@ -207,15 +207,7 @@ func TestGroupCommitPerDevice(t *testing.T) {
 	if got, want := discards(b), []backing.Range{{Off: 0, Len: 64 << 10}}; !slices.Equal(got, want) {
 		t.Errorf("device b discards %v, want %v", got, want)
 	}
-	select {
-	case err := <-held:
-		t.Fatalf("the held trim of a returned (%v) before its discard was released", err)
-	default:
-	}
-	close(gateA.release)
-	if err := nbdtest.Recv(t, held, "the trim of a, released"); err != nil {
-		t.Fatal(err)
-	}
+	releaseHeld(t, gateA, held, "the trim of a")
 }
 
 // Trims of a healthy device still batch behind that device's own discards
@@ -261,15 +253,7 @@ func TestGroupCommitPerDeviceBatches(t *testing.T) {
 	if got := discards(b); !slices.Equal(got, want) {
 		t.Errorf("device b discards %v, want the first, the later one, then the other three merged: %v", got, want)
 	}
-	select {
-	case err := <-heldA:
-		t.Fatalf("the held trim of a returned (%v) before its discard was released", err)
-	default:
-	}
-	close(gateA.release)
-	if err := nbdtest.Recv(t, heldA, "the trim of a, released"); err != nil {
-		t.Fatal(err)
-	}
+	releaseHeld(t, gateA, heldA, "the trim of a")
 }
 
 // A trim over two devices, one of them held: its part for the healthy
@@ -285,15 +269,7 @@ func TestGroupCommitSpanningDevices(t *testing.T) {
 	nbdtest.Until(t, "the spanning trim's call to reach device b while a's discard is held", func() bool {
 		return len(discards(b)) == 1
 	})
-	select {
-	case err := <-both:
-		t.Fatalf("the spanning trim returned (%v) while its part on a waits for a's held discard", err)
-	default:
-	}
-	close(gateA.release)
-	if err := nbdtest.Recv(t, both, "the spanning trim"); err != nil {
-		t.Fatal(err)
-	}
+	releaseHeld(t, gateA, both, "the spanning trim")
 	if err := nbdtest.Recv(t, heldA, "the trim of a, released"); err != nil {
 		t.Fatal(err)
 	}
@@ -342,15 +318,7 @@ func spanningBusyDevices(t *testing.T, aFirst bool) {
 	if got, want := discards(b), []backing.Range{{Off: 0, Len: 64 << 10}, {Off: 128 << 10, Len: 2 * 64 << 10}}; !slices.Equal(got, want) {
 		t.Errorf("device b discards %v, want %v", got, want)
 	}
-	select {
-	case err := <-both:
-		t.Fatalf("the spanning trim returned (%v) while its part on a waits for a's held discard", err)
-	default:
-	}
-	close(gateA.release)
-	if err := nbdtest.Recv(t, both, "the spanning trim"); err != nil {
-		t.Fatal(err)
-	}
+	releaseHeld(t, gateA, both, "the spanning trim")
 	if err := nbdtest.Recv(t, heldA, "the trim of a, released"); err != nil {
 		t.Fatal(err)
 	}
@@ -372,4 +340,20 @@ func (g *offsetGate) Discard(off, n int64) error {
 		<-g.release
 	}
 	return g.Device.Discard(off, n)
+}
+
+// releaseHeld checks that held, the result of a trim (what) that waits
+// for gate's held discard, has not come yet, then releases the discard and
+// waits for the trim.
+func releaseHeld(t *testing.T, gate *gateDev, held <-chan error, what string) {
+	t.Helper()
+	select {
+	case err := <-held:
+		t.Fatalf("%s returned (%v) while a discard it waits for is held", what, err)
+	default:
+	}
+	close(gate.release)
+	if err := nbdtest.Recv(t, held, what+", once the held discard is released"); err != nil {
+		t.Fatal(err)
+	}
 }

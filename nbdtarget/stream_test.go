@@ -320,13 +320,7 @@ func TestPayloadTimeout(t *testing.T) {
 	if st.PayloadTimeouts != 1 || st.ReplyTimeouts != 0 {
 		t.Fatalf("PayloadTimeouts %d, ReplyTimeouts %d; want 1 and 0", st.PayloadTimeouts, st.ReplyTimeouts)
 	}
-	waitFor(t, "the memory to come back", func() bool { return srv.Stats().MemoryInUse == 0 })
-	c := dialRaw(t, f.sock)
-	c.connect("t", false, false)
-	c.request(cmdRead, 0, 2, 0, 512, nil)
-	if h, errno, _ := c.simple(512); h != 2 || errno != 0 {
-		t.Fatalf("next client: handle %d errno %d", h, errno)
-	}
+	servesNext(t, f)
 }
 
 // A write longer than payloadFirst whose rest does not fit the memory
