@@ -3,6 +3,7 @@ package mapped
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -40,10 +41,18 @@ type Device struct {
 	mu        sync.Mutex
 	changed   sync.Cond // inFlight drained, or holding cleared
 	suspended bool
-	since     time.Time    // when the current suspend began
-	inactive  *table.Table // loaded by Load, activated by Resume
-	st        counters     // under mu, except held
-	held      atomic.Int64
+	since     time.Time // when the current suspend began
+	// flushFailed: the current suspend's flush failed (see unsynced).
+	flushFailed bool
+	inactive    *table.Table // loaded by Load, activated by Resume
+	st          counters     // under mu, except held
+	held        atomic.Int64
+
+	// unsynced are the devices of tables swapped out after the suspend's
+	// flush of them failed: acknowledged writes on them may be lost, so
+	// every later Flush asks them again, and the flush engine's failed
+	// sync fails it, as it would have had they stayed in the table.
+	unsynced atomic.Pointer[[]backing.Device]
 }
 
 // live is an active table and what is derived from it once.
@@ -187,7 +196,12 @@ func (m *Device) suspend() error {
 	m.since = time.Now()
 	m.st.suspends++
 	m.mu.Unlock()
-	return m.flush.Flush(m.devices(m.active.Load()))
+	l := m.active.Load()
+	err := m.flush.Flush(m.devices(l))
+	m.mu.Lock()
+	m.flushFailed = err != nil
+	m.mu.Unlock()
+	return err
 }
 
 // Resume makes the inactive table active, if one is loaded, and releases
@@ -199,19 +213,27 @@ func (m *Device) suspend() error {
 func (m *Device) Resume() (swapped bool, err error) {
 	m.cycle.Lock()
 	defer m.cycle.Unlock()
+	// A table is swapped only on a suspended device. Load takes no part in
+	// the suspend cycle, so one may come while this suspends: check again
+	// under the lock that the swap below holds.
 	m.mu.Lock()
-	needSuspend := !m.suspended && m.inactive != nil
-	m.mu.Unlock()
-	if needSuspend {
+	for !m.suspended && m.inactive != nil {
+		m.mu.Unlock()
 		if err := m.suspend(); err != nil {
 			return false, err
 		}
+		m.mu.Lock()
 	}
-	m.mu.Lock()
 	var old *table.Table
 	if m.inactive != nil {
-		old = m.active.Swap(newLive(m.inactive)).t
+		gone := m.active.Swap(newLive(m.inactive))
+		old = gone.t
 		m.inactive = nil
+		if m.flushFailed {
+			keep := append(slices.Clone(m.unsyncedDevices()), m.devices(gone)...)
+			m.unsynced.Store(&keep)
+			m.flushFailed = false
+		}
 	}
 	resuming := m.suspended
 	m.mu.Unlock()
@@ -279,6 +301,14 @@ func (m *Device) InactiveTable() *table.Table {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.inactive
+}
+
+// unsyncedDevices is what unsynced holds.
+func (m *Device) unsyncedDevices() []backing.Device {
+	if p := m.unsynced.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
 
 // devices are the real devices below l, for a flush: precomputed, unless

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -174,5 +175,66 @@ func TestSuspendBelowHoldsAbove(t *testing.T) {
 	disk.ReadAt(p, 1024*512)
 	if string(p) != "stacked" {
 		t.Fatalf("disk holds %q", p)
+	}
+}
+
+// A table loaded while Resume runs is swapped in only on a suspended
+// device: Load takes no part in the suspend cycle, and a Resume that saw
+// no table to swap, suspended nothing, and then found one would have
+// swapped it under requests in flight on the old table.
+func TestResumeRacingLoadSuspends(t *testing.T) {
+	a := backing.NewMem("a", 1<<20)
+	devs := memOpener{"a": a}
+	d := mapped.New("d", mustParse(t, "0 2048 linear a 0\n", devs), flush.New(), discard.New())
+	for i := range 5000 {
+		tb := mustParse(t, "0 2048 linear a 0\n", devs)
+		before := d.Info().Suspends
+		var wg sync.WaitGroup
+		var swapped bool
+		var err error
+		start := make(chan struct{})
+		wg.Add(2)
+		go func() { defer wg.Done(); <-start; swapped, err = d.Resume() }()
+		go func() { defer wg.Done(); <-start; d.Load(tb) }()
+		close(start)
+		wg.Wait()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if swapped && d.Info().Suspends == before {
+			t.Fatalf("iteration %d: Resume swapped a table in without suspending the device", i)
+		}
+		if d.InactiveTable() != nil {
+			if _, err := d.Resume(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// A suspend whose flush failed leaves the writes acknowledged on the old
+// table's devices in doubt; a resume that swaps the table anyway keeps
+// those devices in every later flush, which then fails, as it would have
+// had the table stayed.
+func TestFailedSuspendFlushOutlivesReload(t *testing.T) {
+	f := flush.New()
+	x := backing.NewFaulty(backing.NewMem("x", 1<<20))
+	devs := memOpener{"x": f.Track(x), "y": f.Track(backing.NewMem("y", 1<<20))}
+	d := mapped.New("d", mustParse(t, "0 2048 linear x 0\n", devs), f, discard.New())
+	if err := d.Write([]byte("acknowledged"), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	d.Load(mustParse(t, "0 2048 linear y 0\n", devs))
+	x.FailSync(syscall.EIO)
+	if _, err := d.Resume(); err == nil {
+		t.Fatal("a resume whose suspend could not flush the old table succeeded")
+	}
+	if swapped, err := d.Resume(); !swapped || err != nil {
+		t.Fatalf("second resume: swapped %v, %v", swapped, err)
+	}
+	for range 2 {
+		if err := d.Flush(); !errors.Is(err, flush.ErrSyncFailed) {
+			t.Fatalf("a flush after the reload: %v, want %v: a write acknowledged through the old table may be lost (%d writes a crash would lose)", err, flush.ErrSyncFailed, x.Crash())
+		}
 	}
 }

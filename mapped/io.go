@@ -1,6 +1,7 @@
 package mapped
 
 import (
+	"slices"
 	"sync"
 
 	"github.com/nbdmapper/nbdmapper/backing"
@@ -322,7 +323,11 @@ func (m *Device) Flush() error {
 		}
 		return m.flush.SyncEach(each)
 	}
-	return m.flush.Flush(m.devices(l))
+	devs := m.devices(l)
+	if lost := m.unsyncedDevices(); lost != nil {
+		devs = append(slices.Clone(devs), lost...)
+	}
+	return m.flush.Flush(devs)
 }
 
 // Trim discards [off, off+n): zero targets drop it, error targets fail it.
