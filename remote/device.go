@@ -219,6 +219,11 @@ func Open(name string, u URI, readOnly bool, opts Options) (*Device, error) {
 
 // setExport checks what the first handshake found and derives the request
 // limits from it.
+// minMaxBlock is the least maximum block size a remote may advertise for an
+// export larger than it: proto.md expects at least 1 MiB, and a much smaller
+// one would cut every request into thousands of round trips.
+const minMaxBlock = 64 << 10
+
 func (d *Device) setExport(x Export) error {
 	writable := !d.readOnly && x.Flags&wire.TfReadOnly == 0
 	if writable && x.Flags&wire.TfSendFlush == 0 {
@@ -230,6 +235,9 @@ func (d *Device) setExport(x Export) error {
 		return fmt.Errorf("export size %d is not a multiple of its minimum block size %d: %w", x.Size, d.minBlock, ErrProtocol)
 	}
 	d.size = int64(x.Size)
+	if x.MaxBlock != 0 && x.MaxBlock < minMaxBlock && uint64(x.MaxBlock) < x.Size {
+		return fmt.Errorf("maximum block size %d, below %d: %w", x.MaxBlock, minMaxBlock, ErrProtocol)
+	}
 	maxLen := int64(1<<32 - 1)
 	if x.MaxBlock != 0 {
 		maxLen = int64(x.MaxBlock)
@@ -503,7 +511,7 @@ func newCall(typ, flags uint16, off, n int64) *call {
 }
 
 func putCall(c *call) {
-	c.payload, c.buf = nil, nil
+	c.payload, c.buf, c.deadline = nil, nil, time.Time{}
 	c.reset()
 	callPool.Put(c)
 }
@@ -511,7 +519,9 @@ func putCall(c *call) {
 // do sends c and waits for its answer, sending it again on another
 // connection each time the one it went out on drops, until its deadline.
 func (d *Device) do(c *call) error {
-	c.deadline = time.Now().Add(d.opts.Timeout)
+	if c.deadline.IsZero() {
+		c.deadline = time.Now().Add(d.opts.Timeout)
+	}
 	select {
 	case d.sem <- struct{}{}:
 	default:

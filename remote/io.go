@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"syscall"
+	"time"
 
 	"golang.org/x/sync/errgroup"
 
@@ -41,8 +43,9 @@ const parallel = 16
 // device, and for READ and WRITE the part of the caller's buffer it
 // covers.
 type piece struct {
-	off, n int64
-	buf    []byte
+	off, n   int64
+	buf      []byte
+	deadline time.Time // the whole request's (run); zero: the call's own
 }
 
 // split cuts [off, off+n) into head, middle and tail at d.minBlock.
@@ -65,32 +68,58 @@ func (d *Device) split(off, n int64) (head, mid, tail backing.Range) {
 
 func roundUp(v, b int64) int64 { return (v + b - 1) / b * b }
 
-// pieces cuts an aligned range into pieces of at most limit bytes, each
-// with its part of buf (which starts at off, or is nil).
-func pieces(r backing.Range, base int64, buf []byte, limit int64) []piece {
-	var ps []piece
-	for off := r.Off; off < r.End(); off += limit {
-		n := min(limit, r.End()-off)
-		p := piece{off: off, n: n}
-		if buf != nil {
-			p.buf = buf[off-base : off-base+n]
-		}
-		ps = append(ps, p)
-	}
-	return ps
+// span is an aligned range to be cut into pieces of at most limit bytes,
+// each with its part of buf (which starts at base, or is nil). The pieces
+// are made as they are issued, so that what a request holds does not grow
+// with how small the remote's maximum block size is.
+type span struct {
+	r     backing.Range
+	base  int64
+	buf   []byte
+	limit int64
 }
 
-// run issues one call per piece, at most parallel at once, and returns the
-// first error. One piece is run on the caller's goroutine; goroutines for
-// more are started here and contain their panics.
-func (d *Device) run(ps []piece, fn func(piece) error) error {
-	if len(ps) == 1 {
-		return fn(ps[0])
+func pieces(r backing.Range, base int64, buf []byte, limit int64) span {
+	return span{r: r, base: base, buf: buf, limit: limit}
+}
+
+// at is the piece of s that starts at off, due by deadline.
+func (s span) at(off int64, deadline time.Time) piece {
+	n := min(s.limit, s.r.End()-off)
+	p := piece{off: off, n: n, deadline: deadline}
+	if s.buf != nil {
+		p.buf = s.buf[off-s.base : off-s.base+n]
+	}
+	return p
+}
+
+// run issues one call per piece of s, at most parallel at once, and
+// returns the first error. Every piece is due by one deadline, the
+// request's (Options.Timeout from now), and none is issued after one has
+// failed: a request cut into many pieces fails within its deadline, not
+// one deadline per round of parallel pieces. One piece is run on the
+// caller's goroutine; goroutines for more are started here and contain
+// their panics.
+func (d *Device) run(s span, fn func(piece) error) error {
+	if s.r.Len <= 0 {
+		return nil
+	}
+	deadline := time.Now().Add(d.opts.Timeout)
+	if s.r.Len <= s.limit {
+		return fn(s.at(s.r.Off, deadline))
 	}
 	var g errgroup.Group
 	g.SetLimit(parallel)
-	for _, p := range ps {
-		g.Go(func() error { return backing.Guard(d.name, d.opts.OnPanic, func() error { return fn(p) }) })
+	var failed atomic.Bool
+	for off := s.r.Off; off < s.r.End() && !failed.Load(); off += s.limit {
+		p := s.at(off, deadline)
+		g.Go(func() error {
+			err := backing.Guard(d.name, d.opts.OnPanic, func() error { return fn(p) })
+			if err != nil {
+				failed.Store(true)
+			}
+			return err
+		})
 	}
 	return g.Wait()
 }
@@ -98,6 +127,7 @@ func (d *Device) run(ps []piece, fn func(piece) error) error {
 // rw sends one READ or WRITE of an aligned piece.
 func (d *Device) rw(cmd, flags uint16, p piece) error {
 	c := newCall(cmd, flags, p.off, p.n)
+	c.deadline = p.deadline
 	if cmd == wire.CmdRead {
 		c.buf = p.buf
 	} else {
@@ -111,6 +141,7 @@ func (d *Device) rw(cmd, flags uint16, p piece) error {
 // ranged sends one command without payload over an aligned piece.
 func (d *Device) ranged(cmd, flags uint16, p piece) error {
 	c := newCall(cmd, flags, p.off, p.n)
+	c.deadline = p.deadline
 	err := d.do(c)
 	putCall(c)
 	return err

@@ -114,6 +114,12 @@ func (r *replyReader) simple(c *call, h wire.Reply) error {
 	}
 	switch c.req.Type {
 	case wire.CmdRead:
+		if r.structured {
+			// proto.md: once structured replies are negotiated a READ's
+			// data comes only in chunks, and a server that sends it
+			// otherwise cannot be trusted to frame the rest.
+			return fmt.Errorf("simple reply with data to READ after structured replies were negotiated: %w", ErrProtocol)
+		}
 		if _, err := io.ReadFull(r.br, c.buf); err != nil {
 			return err
 		}

@@ -192,6 +192,7 @@ func TestReplies(t *testing.T) {
 		{"block status, ragged", true, [][]byte{chunk(2, done, wire.ChunkBlockStatus, be32(7), be32(1), be16(0))}, ErrProtocol, nil},
 		{"block status, none at all", true, [][]byte{chunk(2, done, wire.ChunkNone)}, ErrProtocol, nil},
 		{"simple success for block status", true, [][]byte{simpleReply(2, 0)}, ErrProtocol, nil},
+		{"simple reply with data to a read after structured replies", true, [][]byte{simpleReply(1, 0, data...)}, ErrProtocol, nil},
 		{"error message longer than the chunk", true, [][]byte{chunk(3, done, wire.ChunkError, be32(wire.EIO), be16(100), []byte("x"))}, ErrProtocol, nil},
 		{"huge chunk length is refused before reading", true, [][]byte{wire.AppendChunkHeader(nil, 3, done, wire.ChunkError, 1<<31)}, ErrProtocol, nil},
 		{"truncated", true, [][]byte{chunk(1, done, wire.ChunkOffsetData, be64(4096), data)[:100]}, io.ErrUnexpectedEOF, nil},
