@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -75,7 +76,22 @@ type Server struct {
 	Logger  *slog.Logger
 
 	mu sync.RWMutex // Devices
+	// topo serialises the requests that change which device is built on
+	// which (create, reload, remove), each from its stacking checks to its
+	// change: two reloads that each pass the check against the other's
+	// active table could otherwise stack two devices on each other. It is
+	// held while a remove waits for its clients, s.mu is not, so that ls,
+	// info and the resume that releases a suspended device's held
+	// requests are still answered.
+	topo sync.Mutex
 }
+
+// maxRequest bounds a control request; requestTimeout is how long a client
+// has to send one and take the answer.
+const (
+	maxRequest     = 1 << 20
+	requestTimeout = 30 * time.Second
+)
 
 // Listen creates the control socket at path, owner-only, replacing a stale
 // socket file.
@@ -121,10 +137,12 @@ func (s *Server) Serve(l net.Listener) error {
 
 func (s *Server) serveConn(c net.Conn) {
 	defer c.Close()
+	c.SetReadDeadline(time.Now().Add(requestTimeout))
 	var req Request
-	if err := json.NewDecoder(bufio.NewReader(c)).Decode(&req); err != nil {
+	if err := json.NewDecoder(bufio.NewReader(io.LimitReader(c, maxRequest))).Decode(&req); err != nil {
 		return
 	}
+	c.SetReadDeadline(time.Time{})
 	out, err := s.Do(req)
 	resp := Response{Out: out}
 	if err != nil {
@@ -133,6 +151,7 @@ func (s *Server) serveConn(c net.Conn) {
 	if s.Logger != nil {
 		s.Logger.Info("control", "op", req.Op, "name", req.Name, "file", req.File, "err", err)
 	}
+	c.SetWriteDeadline(time.Now().Add(requestTimeout))
 	json.NewEncoder(c).Encode(resp)
 }
 
@@ -152,7 +171,7 @@ func (s *Server) Do(req Request) (string, error) {
 	}
 	switch req.Op {
 	case "reload":
-		return "", s.reload(d, req.File)
+		return "", s.reload(req.Name, d, req.File)
 	case "suspend":
 		return "", d.Suspend()
 	case "resume":
@@ -193,6 +212,8 @@ func (s *Server) create(name, file string) error {
 	if name == "" || strings.ContainsAny(name, "/ \t") {
 		return fmt.Errorf("bad device name %q", name)
 	}
+	s.topo.Lock()
+	defer s.topo.Unlock()
 	if s.device(name) != nil {
 		return fmt.Errorf("%w: %q", ErrExists, name)
 	}
@@ -221,8 +242,26 @@ func (s *Server) remove(name string, force bool) error {
 	if s.Remove == nil {
 		return ErrNoCreate
 	}
+	s.topo.Lock()
+	defer s.topo.Unlock()
+	if err := s.removable(name); err != nil {
+		return err
+	}
+	// Without s.mu: Remove waits for the device's clients, and a client's
+	// request held by a suspend goes on only once a resume comes.
+	if err := s.Remove(name, force); err != nil {
+		return err
+	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	delete(s.Devices, name)
+	s.mu.Unlock()
+	return nil
+}
+
+// removable says why the device name cannot be removed, if it cannot.
+func (s *Server) removable(name string) error {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
 	d := s.Devices[name]
 	if d == nil {
 		return fmt.Errorf("%w: %q", ErrNoDevice, name)
@@ -232,10 +271,6 @@ func (s *Server) remove(name string, force bool) error {
 			return fmt.Errorf("%s: %w: /dev/mapper/%s", name, ErrInUse, other)
 		}
 	}
-	if err := s.Remove(name, force); err != nil {
-		return err
-	}
-	delete(s.Devices, name)
 	return nil
 }
 
@@ -279,7 +314,12 @@ func (s *Server) info(d *mapped.Device) string {
 // checked) and loads it as d's inactive table. /dev/mapper/NAME names
 // another device of the server; a table that would make d stack on itself
 // is refused.
-func (s *Server) reload(d *mapped.Device, file string) error {
+func (s *Server) reload(name string, d *mapped.Device, file string) error {
+	s.topo.Lock()
+	defer s.topo.Unlock()
+	if s.device(name) != d {
+		return fmt.Errorf("%w: %q", ErrNoDevice, name) // removed meanwhile
+	}
 	t, err := s.parse(file, d)
 	if err != nil {
 		return err

@@ -1,0 +1,149 @@
+package control_test
+
+import (
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/control"
+	"github.com/nbdmapper/nbdmapper/discard"
+	"github.com/nbdmapper/nbdmapper/flush"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/table"
+)
+
+// gateOpener opens "gate" as disk once release is closed, after telling
+// reached: it holds a parse between two of its lines.
+type gateOpener struct {
+	pool             *backing.Pool
+	disk             string
+	reached, release chan struct{}
+}
+
+func (g *gateOpener) Open(name string) (backing.Device, error) {
+	if name == "gate" {
+		close(g.reached)
+		<-g.release
+		name = g.disk
+	}
+	return g.pool.Open(name)
+}
+
+// topoRig is a control server (no socket) over devices x and y, each a
+// linear table over one file, whose Remove waits for removing to be
+// closed.
+func topoRig(t *testing.T) (s *control.Server, g *gateOpener, dir string, removing, allow chan struct{}) {
+	dir = t.TempDir()
+	disk := sparse.Create(t, filepath.Join(dir, "disk.img"), 4<<20)
+	pool := &backing.Pool{}
+	t.Cleanup(func() { pool.Close() })
+	f, d := flush.New(), discard.New()
+	devs := map[string]*mapped.Device{}
+	for _, n := range []string{"x", "y"} {
+		tb, err := table.Parse(n, strings.NewReader("0 2048 linear "+disk+" 0\n"), pool)
+		if err != nil {
+			t.Fatal(err)
+		}
+		devs[n] = mapped.New(n, tb, f, d)
+	}
+	g = &gateOpener{pool: pool, disk: disk, reached: make(chan struct{}), release: make(chan struct{})}
+	removing, allow = make(chan struct{}), make(chan struct{})
+	s = &control.Server{Devices: devs, Open: g,
+		Create: func(name string, tb *table.Table) (*mapped.Device, error) { return mapped.New(name, tb, f, d), nil },
+		Remove: func(name string, force bool) error {
+			close(removing)
+			<-allow
+			return devs[name].Close()
+		},
+	}
+	return s, g, dir, removing, allow
+}
+
+func do(s *control.Server, req control.Request) chan error {
+	c := make(chan error, 1)
+	go func() { _, err := s.Do(req); c <- err }()
+	return c
+}
+
+// Two reloads that would stack x on y and y on x are not both taken, even
+// when each checks the other's table before the other is loaded: the
+// second waits for the first and is refused.
+func TestConcurrentReloadsDoNotStackOnEachOther(t *testing.T) {
+	s, g, dir, _, _ := topoRig(t)
+	xf := filepath.Join(dir, "x.table")
+	yf := filepath.Join(dir, "y.table")
+	os.WriteFile(xf, []byte("0 8 linear /dev/mapper/y 0\n8 8 linear gate 0\n"), 0o644)
+	os.WriteFile(yf, []byte("0 16 linear /dev/mapper/x 0\n"), 0o644)
+	xdone := do(s, control.Request{Op: "reload", Name: "x", File: xf})
+	<-g.reached // x's parse has taken /dev/mapper/y
+	ydone := do(s, control.Request{Op: "reload", Name: "y", File: yf})
+	select {
+	case err := <-ydone:
+		t.Fatalf("reload y finished (%v) while reload x, which it would stack with, was still parsing", err)
+	case <-time.After(100 * time.Millisecond): // long enough for a reload that does not wait to end
+	}
+	close(g.release)
+	errX, errY := nbdtest.Recv(t, xdone, "reload x"), nbdtest.Recv(t, ydone, "reload y")
+	if errX != nil || !errors.Is(errY, control.ErrStacked) {
+		t.Fatalf("reload x: %v; reload y: %v, want %v", errX, errY, control.ErrStacked)
+	}
+}
+
+// A remove that waits for its device's clients holds up no other request:
+// ls and resume (which releases a suspended device's held requests, which
+// the remove may be waiting for) are answered meanwhile.
+func TestRemoveWaitingHoldsNoOneElse(t *testing.T) {
+	s, _, _, removing, allow := topoRig(t)
+	if _, err := s.Do(control.Request{Op: "suspend", Name: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	removed := do(s, control.Request{Op: "remove", Name: "x", Force: true})
+	nbdtest.Recv(t, removing, "the remove to wait for the device's clients")
+	if err := nbdtest.Recv(t, do(s, control.Request{Op: "ls"}), "ls while a remove waits"); err != nil {
+		t.Fatal(err)
+	}
+	if err := nbdtest.Recv(t, do(s, control.Request{Op: "resume", Name: "x"}), "resume while a remove waits"); err != nil {
+		t.Fatal(err)
+	}
+	close(allow)
+	if err := nbdtest.Recv(t, removed, "the remove"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A request that never ends is not read without bound: the server stops
+// at its limit and closes the connection, and answers the next client.
+func TestRequestTooLong(t *testing.T) {
+	sock, _, _ := rig(t)
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	go func() {
+		c.Write([]byte(`{"op":"`))
+		junk := make([]byte, 64<<10)
+		for i := range junk {
+			junk[i] = 'a'
+		}
+		for range 64 { // 4 MiB, past the limit
+			if _, err := c.Write(junk); err != nil {
+				return
+			}
+		}
+	}()
+	c.SetReadDeadline(time.Now().Add(nbdtest.Bound))
+	if n, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a request past the limit: read %d bytes, %v; want the connection closed", n, err)
+	}
+	if out, err := control.Call(sock, control.Request{Op: "ls"}); err != nil || !strings.Contains(out, "base") {
+		t.Fatalf("ls after it: %q, %v", out, err)
+	}
+}
