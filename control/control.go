@@ -198,6 +198,9 @@ func (s *Server) Do(req Request) (string, error) {
 	return "", fmt.Errorf("%w %q", ErrUnknownOp, req.Op)
 }
 
+// Device is the device name, or nil.
+func (s *Server) Device(name string) *mapped.Device { return s.device(name) }
+
 func (s *Server) device(name string) *mapped.Device {
 	s.mu.RLock()
 	defer s.mu.RUnlock()

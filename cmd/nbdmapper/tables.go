@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/nbdmapper/nbdmapper/control"
+	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -92,14 +93,22 @@ type tablesDir struct {
 	dir  string
 	ctl  *control.Server
 	log  *slog.Logger
-	mine map[string]string // device name -> its table file
+	mine map[string]made // by device name
+}
+
+// made is a device the directory made, and the file it came from. The
+// device is kept, not only its name: one removed and made again under the
+// same name by hand is no longer the directory's.
+type made struct {
+	file string
+	dev  *mapped.Device
 }
 
 func newTablesDir(dir string, defs []table.Def, ctl *control.Server, log *slog.Logger) *tablesDir {
-	td := &tablesDir{dir: dir, ctl: ctl, log: log, mine: make(map[string]string)}
+	td := &tablesDir{dir: dir, ctl: ctl, log: log, mine: make(map[string]made)}
 	for _, d := range defs {
 		if filepath.Dir(d.File) == filepath.Clean(dir) {
-			td.mine[d.Name] = d.File
+			td.mine[d.Name] = made{d.File, ctl.Device(d.Name)}
 		}
 	}
 	return td
@@ -124,9 +133,9 @@ func (td *tablesDir) rescan() {
 		}
 	}
 	var gone []table.Def
-	for name, file := range td.mine {
+	for name, m := range td.mine {
 		if !want[name] {
-			gone = append(gone, table.Def{Name: name, File: file})
+			gone = append(gone, table.Def{Name: name, File: m.file})
 		}
 	}
 	slices.SortFunc(gone, func(a, b table.Def) int { return cmp.Compare(a.Name, b.Name) })
@@ -137,12 +146,21 @@ func (td *tablesDir) rescan() {
 	td.passes(added, control.ErrNoDevice, func(d table.Def) error {
 		_, err := td.ctl.Do(control.Request{Op: "create", Name: d.Name, File: d.File})
 		if err == nil {
-			td.mine[d.Name] = d.File
+			td.mine[d.Name] = made{d.File, td.ctl.Device(d.Name)}
 			td.log.Info("SIGHUP: created", "name", d.Name, "table", d.File)
 		}
 		return err
 	}, "SIGHUP: not creating")
 	td.passes(gone, control.ErrInUse, func(d table.Def) error {
+		if now := td.ctl.Device(d.Name); now != td.mine[d.Name].dev {
+			// Removed by hand (nbdmapper remove), and maybe made again
+			// the same way: not the directory's to remove.
+			delete(td.mine, d.Name)
+			if now != nil {
+				td.log.Info("SIGHUP: left alone, made by hand since", "name", d.Name, "table", d.File)
+			}
+			return nil
+		}
 		_, err := td.ctl.Do(control.Request{Op: "remove", Name: d.Name})
 		if err == nil || errors.Is(err, control.ErrNoDevice) {
 			delete(td.mine, d.Name) // removed, or by nbdmapper remove already

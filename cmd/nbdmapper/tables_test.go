@@ -166,3 +166,29 @@ func TestTablesDirSIGHUP(t *testing.T) {
 		t.Errorf("status after removing a, b and z:\n%q\nwant\n%q", got, want)
 	}
 }
+
+// A device of the tables directory that the operator removed and made
+// again by hand under the same name is no longer the directory's: a rescan
+// after its file is gone leaves it.
+func TestTablesDirLeavesDeviceMadeByHand(t *testing.T) {
+	dir := t.TempDir()
+	tables := filepath.Join(dir, "tables")
+	if err := os.Mkdir(tables, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sparse.Create(t, filepath.Join(dir, "a.img"), 1<<20)
+	writeFile(t, filepath.Join(tables, "a.table"), "0 2048 linear a.img 0\n")
+	writeFile(t, filepath.Join(dir, "hand.table"), "0 1024 linear a.img 0\n")
+	ctl := filepath.Join(dir, "control")
+	s := serve(t, dir, "--control", ctl, "--tables", "tables")
+	lifecycle(t, ctl, "remove", "a")
+	lifecycle(t, ctl, "create", "a", filepath.Join(dir, "hand.table"))
+	os.Remove(filepath.Join(tables, "a.table"))
+	s.Signal(syscall.SIGHUP)
+	nbdtest.Until(t, "the rescan to leave a", func() bool {
+		return strings.Contains(s.Stderr(), `msg="SIGHUP: left alone, made by hand since" name=a`)
+	})
+	if got, want := lifecycle(t, ctl, "ls"), "a\t(524288 bytes)\n"; got != want {
+		t.Fatalf("ls after the rescan: %q, want %q", got, want)
+	}
+}
