@@ -74,6 +74,10 @@ type Server struct {
 	// Clients, if set, reports how many clients have NAME open, for info.
 	Clients func(name string) int
 	Logger  *slog.Logger
+	// Timeout is how long a client has to send its request, and then to
+	// take the answer, before its connection is closed (default
+	// DefaultTimeout).
+	Timeout time.Duration
 
 	mu sync.RWMutex // Devices
 	// topo serialises the requests that change which device is built on
@@ -86,12 +90,18 @@ type Server struct {
 	topo sync.Mutex
 }
 
-// maxRequest bounds a control request; requestTimeout is how long a client
-// has to send one and take the answer.
-const (
-	maxRequest     = 1 << 20
-	requestTimeout = 30 * time.Second
-)
+// maxRequest bounds a control request.
+const maxRequest = 1 << 20
+
+// DefaultTimeout is Server.Timeout's default.
+const DefaultTimeout = 30 * time.Second
+
+func (s *Server) timeout() time.Duration {
+	if s.Timeout > 0 {
+		return s.Timeout
+	}
+	return DefaultTimeout
+}
 
 // Listen creates the control socket at path, owner-only, replacing a stale
 // socket file.
@@ -137,7 +147,7 @@ func (s *Server) Serve(l net.Listener) error {
 
 func (s *Server) serveConn(c net.Conn) {
 	defer c.Close()
-	c.SetReadDeadline(time.Now().Add(requestTimeout))
+	c.SetReadDeadline(time.Now().Add(s.timeout()))
 	var req Request
 	if err := json.NewDecoder(bufio.NewReader(io.LimitReader(c, maxRequest))).Decode(&req); err != nil {
 		return
@@ -151,7 +161,7 @@ func (s *Server) serveConn(c net.Conn) {
 	if s.Logger != nil {
 		s.Logger.Info("control", "op", req.Op, "name", req.Name, "file", req.File, "err", err)
 	}
-	c.SetWriteDeadline(time.Now().Add(requestTimeout))
+	c.SetWriteDeadline(time.Now().Add(s.timeout()))
 	json.NewEncoder(c).Encode(resp)
 }
 
@@ -165,7 +175,7 @@ func (s *Server) Do(req Request) (string, error) {
 	case "remove":
 		return "", s.remove(req.Name, req.Force)
 	}
-	d := s.device(req.Name)
+	d := s.Device(req.Name)
 	if d == nil {
 		return "", fmt.Errorf("%w: %q", ErrNoDevice, req.Name)
 	}
@@ -199,9 +209,7 @@ func (s *Server) Do(req Request) (string, error) {
 }
 
 // Device is the device name, or nil.
-func (s *Server) Device(name string) *mapped.Device { return s.device(name) }
-
-func (s *Server) device(name string) *mapped.Device {
+func (s *Server) Device(name string) *mapped.Device {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return s.Devices[name]
@@ -217,7 +225,7 @@ func (s *Server) create(name, file string) error {
 	}
 	s.topo.Lock()
 	defer s.topo.Unlock()
-	if s.device(name) != nil {
+	if s.Device(name) != nil {
 		return fmt.Errorf("%w: %q", ErrExists, name)
 	}
 	t, err := s.parse(file, nil)
@@ -320,7 +328,7 @@ func (s *Server) info(d *mapped.Device) string {
 func (s *Server) reload(name string, d *mapped.Device, file string) error {
 	s.topo.Lock()
 	defer s.topo.Unlock()
-	if s.device(name) != d {
+	if s.Device(name) != d {
 		return fmt.Errorf("%w: %q", ErrNoDevice, name) // removed meanwhile
 	}
 	t, err := s.parse(file, d)

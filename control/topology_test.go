@@ -147,3 +147,25 @@ func TestRequestTooLong(t *testing.T) {
 		t.Fatalf("ls after it: %q, %v", out, err)
 	}
 }
+
+// A client that connects and sends nothing is closed after Timeout, not
+// kept for ever with a goroutine of the server's.
+func TestIdleClientClosed(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "control")
+	l, err := control.Listen(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &control.Server{Devices: map[string]*mapped.Device{}, Timeout: 100 * time.Millisecond}
+	go srv.Serve(l)
+	t.Cleanup(func() { l.Close() })
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetReadDeadline(time.Now().Add(nbdtest.Bound))
+	if n, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("an idle client: read %d bytes, %v; want the connection closed", n, err)
+	}
+}

@@ -196,8 +196,7 @@ func (m *Device) suspend() error {
 	m.since = time.Now()
 	m.st.suspends++
 	m.mu.Unlock()
-	l := m.active.Load()
-	err := m.flush.Flush(m.devices(l))
+	err := m.flush.Flush(m.devices(m.active.Load()))
 	m.mu.Lock()
 	m.flushFailed = err != nil
 	m.mu.Unlock()

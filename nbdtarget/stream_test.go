@@ -355,3 +355,28 @@ func TestLongWriteStreamsWhenMemoryIsShort(t *testing.T) {
 	}
 	waitFor(t, "the memory to come back", func() bool { return srv.Stats().MemoryInUse == 0 })
 }
+
+// A request waiting for memory that other connections hold stops waiting
+// when its connection is stopped: a forced RemoveExport of its export
+// returns while the memory is still held elsewhere.
+func TestMemoryWaitEndsWhenStopped(t *testing.T) {
+	srv := &Server{Memory: MaxPayload + 2*requestBase}
+	f := newTFix(t, srv)
+	c := dialRaw(t, f.sock)
+	c.connect("t", false, false)
+	c.request(cmdRead, 0, 1, offGate, 4096, nil) // held at the gate, with its memory
+	<-f.gate.entered
+	d := dialRaw(t, f.sock)
+	d.connect("ro", false, false)
+	d.request(cmdRead, 0, 2, 0, MaxPayload, nil) // needs the whole budget
+	waitFor(t, "the request on ro to wait for memory", func() bool { return srv.Stats().MemoryWaits > 0 })
+	removed := make(chan error, 1)
+	go func() { _, err := srv.RemoveExport("ro", true); removed <- err }()
+	if err := nbdtest.Recv(t, removed, "the forced removal of ro, while t's read holds the memory"); err != nil {
+		t.Fatal(err)
+	}
+	close(f.gate.release)
+	if h, errno, _ := c.simple(4096); h != 1 || errno != 0 {
+		t.Fatalf("gated read: handle %d errno %d", h, errno)
+	}
+}
