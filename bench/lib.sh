@@ -73,7 +73,9 @@ cpu_ticks() {
 task_ticks() {
 	local p
 	for p in /proc/[0-9]*; do
-		sed 's/.*) //' "$p/stat" 2>/dev/null | awk -v p="${p##*/}" '{print p, $12 + $13}'
+		# A process may exit while it is read: sed then fails, which
+		# pipefail would make this function's status.
+		sed 's/.*) //' "$p/stat" 2>/dev/null | awk -v p="${p##*/}" '{print p, $12 + $13}' || true
 	done
 }
 
