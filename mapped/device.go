@@ -18,6 +18,9 @@ import (
 // table: the device shrank after the request was validated.
 var ErrBeyondEnd = errors.New("beyond the end of the device")
 
+// ErrClosed fails a Suspend or Resume of a closed device.
+var ErrClosed = errors.New("device closed")
+
 // Device is a mapped device. Its methods are safe for concurrent use.
 type Device struct {
 	name    string // as dmsetup names it; other tables refer to /dev/mapper/<name>
@@ -36,10 +39,11 @@ type Device struct {
 	inFlight atomic.Int64
 	holding  atomic.Bool
 
-	cycle sync.Mutex // serialises Suspend and Resume
+	cycle sync.Mutex // serialises Suspend, Resume and Close
 
 	mu        sync.Mutex
 	changed   sync.Cond // inFlight drained, or holding cleared
+	closed    bool
 	suspended bool
 	since     time.Time // when the current suspend began
 	// flushFailed: the current suspend's flush failed (see unsynced).
@@ -145,12 +149,19 @@ func (m *Device) admit(off, n int64) (*live, error) {
 
 // Load holds t as the inactive table, to become active at the next
 // Resume; a table loaded before and not yet activated is closed. t must
-// have been validated completely (table.Parse does).
+// have been validated completely (table.Parse does). A closed device
+// closes t at once.
 func (m *Device) Load(t *table.Table) {
 	m.mu.Lock()
 	old := m.inactive
-	m.inactive = t
-	m.st.reloads++
+	if m.closed {
+		// Close has taken the inactive table already: held, t would
+		// keep its snapshot registered and its COW claimed for good.
+		old = t
+	} else {
+		m.inactive = t
+		m.st.reloads++
+	}
 	m.mu.Unlock()
 	if old != nil {
 		old.Close()
@@ -181,6 +192,10 @@ func (m *Device) Suspend() error {
 
 func (m *Device) suspend() error {
 	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return ErrClosed
+	}
 	if m.suspended {
 		m.mu.Unlock()
 		return nil
@@ -189,8 +204,14 @@ func (m *Device) suspend() error {
 	m.active.Load().t.Deactivate()
 	m.mu.Lock()
 	m.holding.Store(true)
-	for m.inFlight.Load() > 0 {
+	for m.inFlight.Load() > 0 && !m.closed {
 		m.changed.Wait()
+	}
+	if m.closed {
+		// Requests in flight may never end (held by a suspended device
+		// below): Close, which waits for this suspend, must not too.
+		m.mu.Unlock()
+		return ErrClosed
 	}
 	m.suspended = true
 	m.since = time.Now()
@@ -216,6 +237,10 @@ func (m *Device) Resume() (swapped bool, err error) {
 	// the suspend cycle, so one may come while this suspends: check again
 	// under the lock that the swap below holds.
 	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return false, ErrClosed
+	}
 	for !m.suspended && m.inactive != nil {
 		m.mu.Unlock()
 		if err := m.suspend(); err != nil {

@@ -93,14 +93,27 @@ func (m *Device) Holes(off, n int64) ([]backing.Range, error) {
 
 // Close closes the active and any inactive table (a snapshot's
 // registration with its origin, its claim on the COW device). The devices
-// below belong to whoever opened them.
+// below belong to whoever opened them. A Suspend or Resume in progress
+// finishes first, unless it is still waiting for requests in flight:
+// that one, and any later, fails with ErrClosed.
 func (m *Device) Close() error {
+	m.mu.Lock()
+	m.closed = true
+	m.changed.Broadcast() // a Suspend waiting for requests in flight gives up
+	m.mu.Unlock()
+	// Under cycle: a Resume would otherwise activate the table after it
+	// was closed here (a merge starts on it, a store is taken over into
+	// it and its COW claimed again), and a Suspend flush the devices
+	// below after Close returned.
+	m.cycle.Lock()
+	defer m.cycle.Unlock()
 	m.mu.Lock()
 	inactive := m.inactive
 	m.inactive = nil
 	m.mu.Unlock()
-	m.active.Load().t.Deactivate()
-	err := m.active.Load().t.Close()
+	active := m.active.Load().t // no Resume swaps it now
+	active.Deactivate()
+	err := active.Close()
 	if inactive != nil {
 		err = errors.Join(err, inactive.Close())
 	}
