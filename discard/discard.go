@@ -33,11 +33,17 @@ type Engine struct {
 	// PerRequest issues each trim's own plan at once: sorted and merged
 	// within the request, never batched with others. Benchmark baseline.
 	PerRequest bool
-	// MaxRanges and MaxBytes bound what the engine holds gathering, over
-	// all devices: the trim that reaches either issues every gathering
-	// batch without waiting any longer. A batch that holds more than
-	// MaxRanges ranges written since its trims arrived, once merged, is
-	// issued early too (see Claim).
+	// MaxRanges and MaxBytes bound what the engine holds gathering. With
+	// group commit they bound each device's batch: the trim that brings a
+	// device's batch to either issues that batch without waiting for its
+	// turn, and no other device's, so a device's trims never push out the
+	// batch gathering behind another device's slow or hung discard. What
+	// gathers is then at most about MaxRanges ranges per device, and the
+	// devices are the tables', not the clients'. With a Window, whose one
+	// timer ends every device's batch, they count over all devices, and
+	// the trim that reaches either issues every gathering batch. A batch
+	// that holds more than MaxRanges ranges written since its trims
+	// arrived, once merged, is issued early too (see Claim).
 	MaxRanges int
 	MaxBytes  int64
 	// Baseline issues every mapped range at once, in arrival order, without
@@ -60,8 +66,8 @@ type Engine struct {
 	order   []*device
 	window  *time.Timer // Window > 0: seals every gathering batch; nil if none gathers
 	batches int         // gathering batches (at most one per device)
-	ranges  int         // ranges in them: MaxRanges bounds this
-	bytes   int64       // bytes in them: MaxBytes bounds this
+	ranges  int         // ranges in them: MaxRanges bounds this with a Window
+	bytes   int64       // bytes in them: MaxBytes bounds this with a Window
 	flying  int         // in-flight device plans
 	pending atomic.Bool // batches > 0 || flying > 0: Claim's fast path
 }
@@ -262,8 +268,16 @@ func (e *Engine) issue(exts []Extent, now bool) error {
 		}
 		joined[i] = b
 	}
-	if e.ranges >= e.MaxRanges || e.bytes >= e.MaxBytes {
-		e.sealAll() // full: what gathers is issued without waiting any longer
+	if e.Window > 0 {
+		if e.ranges >= e.MaxRanges || e.bytes >= e.MaxBytes {
+			e.sealAll() // full: what gathers is issued without waiting any longer
+		}
+	} else {
+		for _, b := range joined {
+			if b.gathering && (b.ranges >= e.MaxRanges || b.bytes >= e.MaxBytes) {
+				e.seal(b) // full: issued without waiting for its turn
+			}
+		}
 	}
 	e.mu.Unlock()
 

@@ -68,13 +68,17 @@
 // reported to Engine.OnPanic; the in-flight bookkeeping is released as
 // after any call.
 //
-// Memory. What gathers is bounded by Engine.MaxRanges and MaxBytes over all
-// devices. The ranges written while a batch gathers are merged whenever
-// they double, so a batch holds at most max(2*MaxRanges, 64) of them
-// however many writes arrive, and one holding more than MaxRanges merged is
-// issued early. A plan holds one range per merged range: a range longer
-// than the device's MaxBytes is split into calls only as they are issued.
-// Written zeros come from one shared read-only buffer (backing.WriteZeros).
+// Memory. What gathers is bounded by Engine.MaxRanges and MaxBytes per
+// device (with a window, over all devices): a device's full batch is issued
+// alone, so a healthy device's trims never push out the batch gathering
+// behind a hung one. The devices are the tables', so the bound does not
+// depend on what clients send. The ranges written while a batch gathers are
+// merged whenever they double, so a batch holds at most max(2*MaxRanges, 64)
+// of them however many writes arrive, and one holding more than MaxRanges
+// merged is issued early. A plan holds one range per merged range: a range
+// longer than the device's MaxBytes is split into calls only as they are
+// issued. Written zeros come from one shared read-only buffer
+// (backing.WriteZeros).
 //
 // WRITE_ZEROES shares the planning but not the cutting (every byte must read
 // back as zeros) and is not held back: Zero tries the device's native

@@ -3,6 +3,7 @@ package discard_test
 import (
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
@@ -355,5 +356,102 @@ func releaseHeld(t *testing.T, gate *gateDev, held <-chan error, what string) {
 	close(gate.release)
 	if err := nbdtest.Recv(t, held, what+", once the held discard is released"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// discardGate holds discards of a backing.Faulty until release is closed:
+// every one (a failing disk whose discards hang) or only the first (a
+// healthy device that is busy). Each discard that reaches it is announced
+// on entered. The test's end releases what is still held.
+type discardGate struct {
+	entered chan struct{}
+	release chan struct{}
+	n       atomic.Int32 // discards that reached it
+}
+
+func gateDiscards(t *testing.T, f *backing.Faulty, all bool) *discardGate {
+	g := &discardGate{entered: make(chan struct{}, 64), release: make(chan struct{})}
+	f.Inject(backing.OpDiscard, func() error {
+		g.entered <- struct{}{}
+		if g.n.Add(1) == 1 || all {
+			<-g.release
+		}
+		return nil
+	})
+	t.Cleanup(func() {
+		select {
+		case <-g.release:
+		default:
+			close(g.release)
+		}
+	})
+	return g
+}
+
+// What gathers is bounded per device: a healthy device's trims that fill
+// its own batch issue that batch, and not the batch gathering behind
+// another device's hung discard. Counted over every device, the limits
+// had b's trims issue a's batch onto a, whose discard hangs: each time b
+// filled the engine, one more call stuck on a, and a write to a range a
+// trim of a still gathered waited for a hung call instead of going around
+// the trim.
+func TestGroupCommitLimitsPerDevice(t *testing.T) {
+	eng := discard.New()
+	eng.MaxRanges = 4
+	devs := faultyFiles(t) // real files
+	a, b := devs[0], devs[1]
+	hungA := gateDiscards(t, a, true)
+	busyB := gateDiscards(t, b, false)
+
+	heldA := trimAsync(eng, ext(a, 0, 64<<10))
+	nbdtest.Recv(t, hungA.entered, "the first trim of a to reach the device")
+	gatheredA := trimAsync(eng, ext(a, 128<<10, 64<<10))
+	waitRangesIn(t, eng, 2)
+
+	firstB := trimAsync(eng, ext(b, 0, 64<<10))
+	nbdtest.Recv(t, busyB.entered, "the first trim of b to reach the device")
+	var restB []chan error
+	for i := range eng.MaxRanges { // fill b's batch
+		restB = append(restB, trimAsync(eng, ext(b, int64(i+2)*64<<10, 64<<10)))
+	}
+	waitRangesIn(t, eng, uint64(3+eng.MaxRanges))
+
+	// a's trim still gathers: a write to its range takes it out and goes
+	// on, and nothing more reached a.
+	claimed := make(chan struct{})
+	go func() { eng.Claim(a, 128<<10, 4<<10); close(claimed) }()
+	select {
+	case <-claimed:
+	case <-hungA.entered:
+		t.Fatal("b's trims issued the trim gathering on a onto a while a's discard hangs")
+	}
+
+	// b's full batch went out on its own, while b's first discard and a's
+	// are held.
+	for i, c := range restB {
+		if err := nbdtest.Recv(t, c, "a trim of b's full batch, while a's discard hangs"); err != nil {
+			t.Fatalf("trim %d of b: %v", i, err)
+		}
+	}
+	close(busyB.release)
+	if err := nbdtest.Recv(t, firstB, "b's first trim, released"); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-gatheredA:
+		t.Fatalf("a's gathered trim returned (%v) while a's discard hangs", err)
+	default:
+	}
+	close(hungA.release)
+	for i, c := range []chan error{heldA, gatheredA} {
+		if err := nbdtest.Recv(t, c, "a trim of a, released"); err != nil {
+			t.Fatalf("trim %d of a: %v", i, err)
+		}
+	}
+	if st := statsOf(t, eng, a.Name()); st.Calls != 2 {
+		t.Errorf("a's stats %+v, want 2 calls: the held one, then the trim that gathered behind it", st)
+	}
+	if st := statsOf(t, eng, b.Name()); st.Calls != 2 {
+		t.Errorf("b's stats %+v, want 2 calls: the held one and the full batch", st)
 	}
 }
