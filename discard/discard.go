@@ -252,7 +252,6 @@ func (e *Engine) issue(exts []Extent, now bool) error {
 	var lead []*batch                    // the batches this trim issues
 	for i, p := range parts {
 		st := e.device(p.dev)
-		st.stats.received(p.in)
 		b := st.gathering
 		switch {
 		case now || e.idle(st):
@@ -266,6 +265,9 @@ func (e *Engine) issue(exts []Extent, now bool) error {
 		default:
 			b.add(e, p.in)
 		}
+		// Counted once a Claim can find them (pending is set): a test
+		// that waits for a trim to be received may race a write with it.
+		st.stats.received(p.in)
 		joined[i] = b
 	}
 	if e.Window > 0 {
@@ -431,10 +433,10 @@ func (e *Engine) run(b *batch) {
 // issued on the caller's goroutine. e.mu must be held; one unlocks it.
 func (e *Engine) one(st *device, x Extent) error {
 	r := backing.Range{Off: x.Off, Len: x.Len}
-	st.stats.received1(r)
 	lim, err := e.limits(x.Dev)
 	c, ok := cutOne(r, lim)
 	if err != nil || !ok {
+		st.stats.received1(r)
 		e.mu.Unlock()
 		return errors.Join(err)
 	}
@@ -442,6 +444,7 @@ func (e *Engine) one(st *device, x Extent) error {
 	fl.one[0] = c
 	fl.calls = fl.one[:]
 	e.register(st, fl)
+	st.stats.received1(r) // once a Claim can find it, as in issue
 	e.mu.Unlock()
 
 	err = e.discardCalls(st, fl.calls, lim)
