@@ -516,7 +516,9 @@ type ExportStats struct {
 	ReadDataChunks, ReadHoleChunks, ReadHoleBytes int64
 
 	// ReadSplicedBytes is the bytes of reads sent by splice(2), from the
-	// page cache to the socket without a copy in between.
+	// page cache to the socket without a copy in between. A reply is
+	// counted once all of it is in the socket, so a client that has it may
+	// find it not counted yet.
 	ReadSplicedBytes int64
 
 	// SerialRequests counts requests run in serial mode: read and run by

@@ -78,6 +78,12 @@ func TestSplicedReads(t *testing.T) {
 	srv := &Server{Exports: []*Export{x}}
 	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
 	spliced := func() int64 { return srv.Stats().Exports[0].ReadSplicedBytes }
+	// A reply is counted once it has all gone into the socket, so its
+	// client can have it first: wait for the count, do not just read it.
+	splicedReach := func(want int64, what string) {
+		t.Helper()
+		nbdtest.Until(t, what, func() bool { return spliced() >= want })
+	}
 
 	c := dialRaw(t, sock)
 	c.connect("f", false, false)
@@ -85,6 +91,7 @@ func TestSplicedReads(t *testing.T) {
 	if _, errno, got := c.simple(spliceMax); errno != 0 || !bytes.Equal(got, data[4096:4096+spliceMax]) {
 		t.Fatalf("simple reply: errno %d, or other bytes than the file's", errno)
 	}
+	splicedReach(spliceMax, "the 1 MiB read to be counted as spliced")
 	if n := spliced(); n != spliceMax {
 		t.Fatalf("%d bytes spliced after one 1 MiB read, want %d", n, spliceMax)
 	}
@@ -107,6 +114,7 @@ func TestSplicedReads(t *testing.T) {
 		}
 		want += int64(n)
 	}
+	splicedReach(want, "the reads in flight to be counted as spliced")
 	if n := spliced(); n != want {
 		t.Fatalf("%d bytes spliced, want %d", n, want)
 	}

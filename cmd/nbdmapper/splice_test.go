@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // TestServeSplice reads a megabyte of a written file through `serve` and
@@ -36,7 +38,11 @@ func TestServeSplice(t *testing.T) {
 		if got := readExport(t, s.Socket, "x", 1<<20); !bytes.Equal(got, data[:1<<20]) {
 			t.Fatalf("serve %v: the read returned other bytes than the file holds", tc.flags)
 		}
-		if got := scrapeValue(t, s.metrics, `nbdmapper_read_spliced_bytes_total{export="x"}`); got != tc.spliced {
+		spliced := func() float64 { return scrapeValue(t, s.metrics, `nbdmapper_read_spliced_bytes_total{export="x"}`) }
+		// A spliced reply is counted once it has all gone into the socket,
+		// which can be after the client has it.
+		nbdtest.Until(t, "the read to be counted", func() bool { return spliced() >= tc.spliced })
+		if got := spliced(); got != tc.spliced {
 			t.Errorf("serve %v: nbdmapper_read_spliced_bytes_total = %v, want %v", tc.flags, got, tc.spliced)
 		}
 		s.Stop(t)
