@@ -263,6 +263,7 @@ func TestOnActiveBulk(t *testing.T) {
 	srv := &Server{
 		Exports:  []*Export{newExport(t, "s", seg{len: mb, dev: backing.NewMem("s", mb)})},
 		OnActive: func(n int) { mu.Lock(); seen = append(seen, n); mu.Unlock() },
+		inPoller: true, // its requests one at a time, and flushes, are serial mode's
 	}
 	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
 	c.connect("s", false, false)

@@ -4,6 +4,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -45,11 +46,27 @@ import (
 // does not go to sleep between requests only to be woken by the next
 // device call. poll(2) is an ordinary system call: if anything else needs
 // the P, sysmon hands it on after 20 µs, as for any blocking call.
+//
+// A rawSocket can also leave the poller altogether (leave, and rejoin to
+// come back): see ownSocket.
 type rawSocket struct {
-	net.Conn
-	rc     syscall.RawConn
-	linger atomic.Int64 // a time.Duration; 0: wait in the poller at once
-	waits  atomic.Uint64
+	net.Conn                 // as accepted, or as rejoin made it; closed while out of the poller
+	rc       syscall.RawConn // Conn's descriptor
+	laddr    net.Addr
+	raddr    net.Addr
+	linger   atomic.Int64 // a time.Duration; 0: wait in the poller at once
+	waits    atomic.Uint64
+
+	// mu is held shared by every call on the socket, and exclusively to
+	// move it out of the poller or back (never waited for: TryLock, so
+	// that a call waiting for the client holds up nothing) and by Close
+	// to release a socket out of the poller once its calls have ended.
+	mu     sync.RWMutex
+	own    *ownSocket // non-nil while out of the poller
+	closed atomic.Bool
+	// The deadlines as Unix nanoseconds (0: none), kept for a socket out
+	// of the poller and for its return.
+	rdl, wdl atomic.Int64
 }
 
 // lingerTime is the longest a lingering read waits on its thread.
@@ -61,8 +78,13 @@ func socketIO(nc net.Conn, rc syscall.RawConn) net.Conn {
 	if rc == nil {
 		return nc
 	}
-	return &rawSocket{Conn: nc, rc: rc}
+	return &rawSocket{Conn: nc, rc: rc, laddr: nc.LocalAddr(), raddr: nc.RemoteAddr()}
 }
+
+// LocalAddr and RemoteAddr are the accepted connection's, which rejoin
+// replaces.
+func (s *rawSocket) LocalAddr() net.Addr  { return s.laddr }
+func (s *rawSocket) RemoteAddr() net.Addr { return s.raddr }
 
 func (s *rawSocket) Read(p []byte) (int, error) {
 	if len(p) == 0 {
@@ -71,7 +93,7 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 	var n int
 	var errno syscall.Errno
 	waited := false
-	err := s.rc.Read(func(fd uintptr) bool {
+	err := s.io(false, func(fd uintptr) bool {
 		for {
 			n, errno = rawIO(unix.SYS_READ, fd, p)
 			switch errno {
@@ -81,11 +103,12 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 				if !waited {
 					waited = true
 					s.waits.Add(1)
-					if d := time.Duration(s.linger.Load()); d > 0 && readable(fd, d) {
+					// Out of the poller the wait is in poll(2) anyway.
+					if d := time.Duration(s.linger.Load()); d > 0 && s.own == nil && readable(fd, d) {
 						continue
 					}
 				}
-				return false // wait in the poller until the socket is readable
+				return false // wait until the socket is readable
 			}
 			return true
 		}
@@ -104,7 +127,7 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 func (s *rawSocket) Write(p []byte) (int, error) {
 	done := 0
 	var errno syscall.Errno
-	err := s.rc.Write(func(fd uintptr) bool {
+	err := s.io(true, func(fd uintptr) bool {
 		for done < len(p) {
 			n, e := rawIO(unix.SYS_WRITE, fd, p[done:])
 			switch e {
@@ -142,7 +165,7 @@ func rawIO(trap, fd uintptr, p []byte) (int, syscall.Errno) {
 func (s *rawSocket) drained() bool {
 	var inq int32
 	var errno syscall.Errno
-	if err := s.rc.Control(func(fd uintptr) {
+	if err := s.control(func(fd uintptr) {
 		_, _, errno = unix.RawSyscall(unix.SYS_IOCTL, fd, unix.SIOCINQ, uintptr(unsafe.Pointer(&inq)))
 	}); err != nil {
 		return false

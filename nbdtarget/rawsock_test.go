@@ -52,6 +52,12 @@ func rawSocketPairOn(t *testing.T, network, addr string) (*rawSocket, net.Conn) 
 // of a connection: a deadline, EOF, and a write to a closed peer.
 func TestRawSocket(t *testing.T) {
 	rs, client := rawSocketPair(t)
+	checkRawSocket(t, rs, client)
+}
+
+// checkRawSocket is TestRawSocket on rs, whose peer is client.
+func checkRawSocket(t *testing.T, rs *rawSocket, client net.Conn) {
+	t.Helper()
 	data := make([]byte, 8<<20)
 	for i := range data {
 		data[i] = byte(rand.Uint32())

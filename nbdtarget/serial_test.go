@@ -32,6 +32,8 @@ func (g *syncGate) Sync() error {
 type serialFix struct {
 	t      *testing.T
 	srv    *Server
+	addr   string     // the server's socket
+	rs     *rawSocket // the server's end of c
 	gate   *syncGate
 	c      *rawClient
 	h      uint64
@@ -66,11 +68,16 @@ func newSerialFix(t *testing.T) *serialFix {
 	// the handshake's, and the first send waits for the first of the
 	// transmission's.
 	transmitting := make(chan struct{})
+	var first sync.Once // a test may open other connections after this one
 	srv.beforeTransmit = func(c *conn) {
-		f.waited = c.sock.(*rawSocket).waits.Load()
-		close(transmitting)
+		first.Do(func() {
+			f.rs = c.sock.(*rawSocket)
+			f.waited = f.rs.waits.Load()
+			close(transmitting)
+		})
 	}
 	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	f.addr = sock
 	// Cleanups run last first: these before Shutdown, which waits for a
 	// gated flush or a paused server.
 	t.Cleanup(f.open)
@@ -88,15 +95,7 @@ func newSerialFix(t *testing.T) *serialFix {
 func (f *serialFix) serialRequests() int64 { return f.srv.Stats().Exports[0].SerialRequests }
 
 // sock is the server's end of the connection.
-func (f *serialFix) sock() *rawSocket {
-	f.srv.mu.Lock()
-	defer f.srv.mu.Unlock()
-	for c := range f.srv.conns {
-		return c.sock.(*rawSocket)
-	}
-	f.t.Fatal("no connection")
-	return nil
-}
+func (f *serialFix) sock() *rawSocket { return f.rs }
 
 // waits is how often the server's end of the connection found it empty.
 func (f *serialFix) waits() uint64 { return f.sock().waits.Load() }
@@ -306,4 +305,45 @@ func TestSerialModeNeeds(t *testing.T) {
 		}
 		f.lingers(t, false)
 	})
+}
+
+// A connection in serial mode that is the server's only one takes its
+// socket out of the poller and counts twice in OnActive; its first request
+// after another connection has begun to transmit brings the socket back,
+// and it leaves again once that one has gone.
+func TestSerialModeLeavesPoller(t *testing.T) {
+	f := newSerialFix(t)
+	f.srv.serialHandOver.Store(int64(time.Hour))
+	check := func(out bool, active int) {
+		t.Helper()
+		f.srv.activeMu.Lock()
+		n := f.srv.active
+		f.srv.activeMu.Unlock()
+		if f.sock().outside() != out || n != active {
+			t.Fatalf("out of the poller %v, counted %d; want %v, %d", f.sock().outside(), n, out, active)
+		}
+	}
+	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, cmdFlush)
+	check(false, 1)
+	f.roundTrip(t, cmdWrite) // the third: serial
+	check(true, 2)
+	f.roundTrip(t, cmdFlush)
+	check(true, 2)
+
+	other := dialRaw(t, f.addr)
+	other.connect("t", false, false)
+	check(true, 3)
+	f.roundTrip(t, cmdWrite)
+	check(false, 2)
+	if n := f.serialRequests(); n != 3 {
+		t.Fatalf("%d serial requests, want 3: the move back ends no serial mode", n)
+	}
+	f.roundTrip(t, cmdFlush)
+	check(false, 2)
+
+	other.request(cmdDisc, 0, 0, 0, 0, nil)
+	nbdtest.Until(t, "the other connection to go", func() bool { return f.srv.transmitting.Load() == 1 })
+	f.roundTrip(t, cmdWrite)
+	check(true, 2)
 }

@@ -94,6 +94,8 @@ type Server struct {
 	OnActive func(conns int)
 	activeMu sync.Mutex
 	active   int
+	// transmitting counts the connections in the transmission phase.
+	transmitting atomic.Int32
 	// crowded: more connections transmit (as OnActive counts them) than
 	// there are Ps to run them, so the CPU is what they wait for.
 	crowded atomic.Bool
@@ -113,6 +115,9 @@ type Server struct {
 	// beforeTransmit, set by tests before serving, runs after a
 	// connection's handshake, before its transmission phase reads.
 	beforeTransmit func(*conn)
+	// inPoller, set by tests before serving, keeps every socket in the
+	// poller (conn.followPoller), for tests of what else OnActive counts.
+	inPoller bool
 
 	ticks     atomic.Int64 // advanced by watchReplies every ReplyTimeout/4
 	watchOnce sync.Once
@@ -399,6 +404,10 @@ func (s *Server) newConn(nc net.Conn) *conn {
 	raw := rawConn(nc)
 	growSendBuffer(nc, raw)
 	sock := socketIO(nc, raw)
+	if rs, ok := sock.(*rawSocket); ok {
+		// Everything goes through it, so that it can leave the poller.
+		nc, raw = rs, rs.rawConn()
+	}
 	c := &conn{
 		srv:  s,
 		nc:   nc,

@@ -85,6 +85,7 @@ type conn struct {
 	sinceFlush int          // requests read since the last flush; under rmu
 	bulkN      int          // the bulk score (see bulk); under rmu
 	bulky      bool         // counted twice in Server.OnActive; under rmu
+	outside    bool         // the socket is out of the poller, and counted twice in OnActive; under rmu
 	handOver   *time.Timer  // hands the token on for a long serial request
 	replyFirst atomic.Bool  // nothing of the next request had come when the last serial reply left
 	pool       sync.WaitGroup
@@ -168,6 +169,7 @@ func (c *conn) join(x *Export) bool {
 	if ok {
 		c.x, c.st = x, &x.st
 		c.st.conns.Add(1)
+		c.srv.transmitting.Add(1)
 	}
 	c.srv.mu.Unlock()
 	if ok {
@@ -180,7 +182,11 @@ func (c *conn) join(x *Export) bool {
 // that waits for the last one.
 func (c *conn) left() {
 	c.st.conns.Add(-1)
+	c.srv.transmitting.Add(-1)
 	if c.bulky {
+		c.srv.activeChanged(-1)
+	}
+	if c.outside {
 		c.srv.activeChanged(-1)
 	}
 	c.srv.activeChanged(-1)
@@ -346,7 +352,28 @@ func (c *conn) serial(alone bool, waits uint64, r *request) bool {
 		linger = lingerTime
 	}
 	rs.linger.Store(int64(linger))
+	c.followPoller(rs, on)
 	return on
+}
+
+// followPoller takes the socket out of Go's network poller when the
+// connection is in serial mode and the server's only one, and counts it
+// twice in OnActive, so that --procs auto gives it the idle P that keeps
+// sysmon off its blocking calls (see ownSocket); it brings the socket back
+// once another connection transmits, which would leave no P idle while
+// each of the socket's waits held a thread. It stays out when serial mode
+// ends on its own. A move is skipped, to be tried at the next request,
+// while a reply is being written. The caller holds the token.
+func (c *conn) followPoller(rs *rawSocket, serial bool) {
+	alone := c.srv.transmitting.Load() == 1 && !c.srv.inPoller
+	switch {
+	case c.outside && !alone && rs.rejoin():
+		c.outside = false
+		c.srv.activeChanged(-1)
+	case !c.outside && alone && serial && rs.leave():
+		c.outside = true
+		c.srv.activeChanged(1)
+	}
 }
 
 // handTokenOn runs when a request in serial mode has run for
