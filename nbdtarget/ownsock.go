@@ -28,8 +28,8 @@ import (
 // client drains wakes it there for nothing, since no goroutine waits in
 // the poller for this socket. Out of the poller nothing wakes it: with the
 // connection counted twice for --procs auto, fio's 4k random writes with
-// an fdatasync after each cost 0.63 of the CPU per request
-// (docs/benchmarks.md, "Out of the poller").
+// an fdatasync after each cost 0.64-0.68 of the server CPU per request
+// they cost in the poller (docs/architecture.md, "Out of the poller").
 //
 // Deadlines are poll(2)'s timeouts, taken when a wait begins. A read
 // deadline set while a read waits wakes it through kick, an eventfd the
@@ -54,6 +54,11 @@ func (s *rawSocket) leave() bool {
 	defer s.mu.Unlock()
 	if s.own != nil || s.closed.Load() {
 		return false
+	}
+	switch s.Conn.(type) {
+	case *net.UnixConn, *net.TCPConn:
+	default:
+		return false // net.FileConn could not bring it back (vsock)
 	}
 	fd, err := -1, error(nil)
 	if cerr := s.rc.Control(func(d uintptr) { fd, err = dupCloexec(int(d)) }); cerr != nil || err != nil {

@@ -89,8 +89,9 @@ type Server struct {
 
 	// OnActive, if set, is called with the number of connections in the
 	// transmission phase, over all exports, each one writing in bulk
-	// counted twice (conn.bulk), each time it changes; the calls come one
-	// at a time, in the order of the changes.
+	// (conn.bulk) or waiting out of the network poller (conn.followPoller)
+	// counted twice, each time it changes; the calls come one at a time, in
+	// the order of the changes.
 	OnActive func(conns int)
 	activeMu sync.Mutex
 	active   int

@@ -725,3 +725,54 @@ func (s *shutdownWhileClearing) SetReadDeadline(t time.Time) error {
 	s.mu.Unlock()
 	return s.Conn.SetReadDeadline(t)
 }
+
+// A TLS client that writes and flushes one request at a time, alone on the
+// server, is served out of the poller (conn.followPoller) as a plaintext
+// one is: its data reads back, and Shutdown stops its reader there (a read
+// deadline that wakes the read waiting in poll(2)) and ends it cleanly.
+func TestTLSOutOfPoller(t *testing.T) {
+	f := newTLSFix(t, TLSRequire)
+	c := dialRaw(t, f.sock)
+	c.greet(3)
+	c.startTLS(f.goClient(t, "alice"))
+	c.connect2("main")
+	sock := func() *rawSocket {
+		f.srv.mu.Lock()
+		defer f.srv.mu.Unlock()
+		for sc := range f.srv.conns {
+			return sc.sock.(*rawSocket)
+		}
+		t.Fatal("no connection")
+		return nil
+	}()
+	data := bytes.Repeat([]byte("tls!"), 1024)
+	h := uint64(0)
+	for !sock.outside() {
+		if h > 1000 {
+			t.Fatalf("not out of the poller after %d requests one at a time", h)
+		}
+		for _, typ := range []uint16{cmdWrite, cmdFlush} {
+			h++
+			var payload []byte
+			n := uint32(0)
+			if typ == cmdWrite {
+				payload, n = data, uint32(len(data))
+			}
+			c.request(typ, 0, h, 0, n, payload)
+			if got, e, _ := c.simple(0); got != h || e != 0 {
+				t.Fatalf("request %d: reply %d, errno %d", h, got, e)
+			}
+		}
+	}
+	h++
+	c.request(cmdRead, 0, h, 0, uint32(len(data)), nil)
+	if got, e, d := c.simple(len(data)); got != h || e != 0 || !bytes.Equal(d, data) {
+		t.Fatalf("read out of the poller: handle %d errno %d, data as written %v", got, e, bytes.Equal(d, data))
+	}
+	if err := f.srv.Shutdown(context.Background()); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if !c.closed() {
+		t.Fatal("connection still open after Shutdown")
+	}
+}

@@ -24,7 +24,10 @@ import (
 // (docs/benchmarks.md). A connection writing in bulk (large writes one
 // after another) does get two: its reader copies the next payload out of
 // the socket while the last one is copied into the page cache
-// (nbdtarget's conn.bulk).
+// (nbdtarget's conn.bulk). So does a lone connection whose client waits
+// for each reply with flushes between: an idle second P keeps the
+// scheduler from handing its P to another thread during every fdatasync
+// (nbdtarget's ownSocket).
 // Several connections do run Go code in parallel, so they get more.
 // GOMAXPROCS in the environment wins over auto, as it does for any Go
 // program.
@@ -51,7 +54,7 @@ func (p *procsFlag) Set(s string) error {
 }
 
 func (p *procsFlag) register(fs *flag.FlagSet) {
-	fs.Var(p, "procs", "CPUs running Go code at once (GOMAXPROCS): N, or auto for one per connection (two for one writing in bulk) up to the CPUs available")
+	fs.Var(p, "procs", "CPUs running Go code at once (GOMAXPROCS): N, or auto for one per connection (two for one writing in bulk or syncing alone) up to the CPUs available")
 }
 
 // apply sets GOMAXPROCS for a fixed --procs, or makes srv adjust it to its
