@@ -376,3 +376,39 @@ func TestTLSRepliesBatched(t *testing.T) {
 		t.Errorf("%d replies took %d writes, want at most %d", n, w, n/4)
 	}
 }
+
+// A connection writing in bulk that is the server's only one takes its
+// socket out of the poller too (conn.followPoller), and still counts only
+// twice in OnActive.
+func TestBulkLeavesPoller(t *testing.T) {
+	const mb = 1 << 20
+	var mu sync.Mutex
+	var seen []int
+	srv := &Server{
+		Exports:  []*Export{newExport(t, "s", seg{len: mb, dev: backing.NewMem("s", mb)})},
+		OnActive: func(n int) { mu.Lock(); seen = append(seen, n); mu.Unlock() },
+	}
+	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
+	c.connect("s", false, false)
+	for h := range uint64(bulkScore) {
+		c.request(cmdWrite, 0, h, 0, bulkMin, make([]byte, bulkMin))
+		if got, errno, _ := c.simple(0); got != h || errno != 0 {
+			t.Fatalf("write %d: reply %d, errno %d", h, got, errno)
+		}
+	}
+	srv.mu.Lock()
+	var rs *rawSocket
+	for sc := range srv.conns {
+		rs = sc.sock.(*rawSocket)
+	}
+	srv.mu.Unlock()
+	if !rs.outside() {
+		t.Fatal("a lone connection writing in bulk is in the poller")
+	}
+	c.request(cmdDisc, 0, 0, 0, 0, nil)
+	nbdtest.Until(t, "the connection to be counted out", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Equal(seen, []int{1, 2, 1, 0})
+	})
+}

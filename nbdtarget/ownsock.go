@@ -31,6 +31,11 @@ import (
 // an fdatasync after each cost 0.64-0.68 of the server CPU per request
 // they cost in the poller (docs/architecture.md, "Out of the poller").
 //
+// A lone connection writing in bulk (conn.bulk) has its second P already;
+// out of the poller its reader waits for each piece of the next payload
+// in poll(2), woken by the socket itself rather than through epoll_wait
+// and the scheduler, and fio's 1M writes cost 0.83 of the CPU per request.
+//
 // Deadlines are poll(2)'s timeouts, taken when a wait begins. A read
 // deadline set while a read waits wakes it through kick, an eventfd the
 // read polls too (Shutdown's stopReading sets one to stop the reader); a

@@ -84,8 +84,8 @@ type conn struct {
 	serialN    int          // requests in a row fit for serial mode; under rmu
 	sinceFlush int          // requests read since the last flush; under rmu
 	bulkN      int          // the bulk score (see bulk); under rmu
-	bulky      bool         // counted twice in Server.OnActive; under rmu
-	outside    bool         // the socket is out of the poller, and counted twice in OnActive; under rmu
+	bulky      bool         // writing in bulk: counted twice in Server.OnActive (twice); under rmu
+	outside    bool         // the socket is out of the poller: counted twice too; under rmu
 	handOver   *time.Timer  // hands the token on for a long serial request
 	replyFirst atomic.Bool  // nothing of the next request had come when the last serial reply left
 	pool       sync.WaitGroup
@@ -183,10 +183,7 @@ func (c *conn) join(x *Export) bool {
 func (c *conn) left() {
 	c.st.conns.Add(-1)
 	c.srv.transmitting.Add(-1)
-	if c.bulky {
-		c.srv.activeChanged(-1)
-	}
-	if c.outside {
+	if c.twice() {
 		c.srv.activeChanged(-1)
 	}
 	c.srv.activeChanged(-1)
@@ -357,23 +354,23 @@ func (c *conn) serial(alone bool, waits uint64, r *request) bool {
 }
 
 // followPoller takes the socket out of Go's network poller when the
-// connection is in serial mode and the server's only one, and counts it
-// twice in OnActive, so that --procs auto gives it the idle P that keeps
-// sysmon off its blocking calls (see ownSocket); it brings the socket back
-// once another connection transmits, which would leave no P idle while
-// each of the socket's waits held a thread. It stays out when serial mode
-// ends on its own. A move is skipped, to be tried at the next request,
-// while a reply is being written. The caller holds the token.
+// connection is the server's only one and is in serial mode or writes in
+// bulk, and counts it twice in OnActive, so that --procs auto gives it a
+// second P (see ownSocket); it brings the socket back once another
+// connection transmits, which would leave no P idle while each of the
+// socket's waits held a thread. It stays out when serial mode or the bulk
+// writes end on their own. A move is skipped, to be tried at the next
+// request, while a reply is being written. The caller holds the token.
 func (c *conn) followPoller(rs *rawSocket, serial bool) {
 	alone := c.srv.transmitting.Load() == 1 && !c.srv.inPoller
+	was := c.twice()
 	switch {
 	case c.outside && !alone && rs.rejoin():
 		c.outside = false
-		c.srv.activeChanged(-1)
-	case !c.outside && alone && serial && rs.leave():
+	case !c.outside && alone && (serial || c.bulky) && rs.leave():
 		c.outside = true
-		c.srv.activeChanged(1)
 	}
+	c.recount(was)
 }
 
 // handTokenOn runs when a request in serial mode has run for
@@ -417,12 +414,28 @@ func (c *conn) bulk(r *request) {
 	case r.Type == cmdWrite || r.Type == cmdRead:
 		c.bulkN = max(c.bulkN-1, 0)
 	}
+	was := c.twice()
 	switch {
 	case !c.bulky && c.bulkN == bulkScore:
 		c.bulky = true
-		c.srv.activeChanged(1)
 	case c.bulky && c.bulkN == 0:
 		c.bulky = false
+	}
+	c.recount(was)
+}
+
+// twice reports whether the connection counts twice in OnActive: it
+// writes in bulk, or its socket is out of the poller. The caller holds the
+// token.
+func (c *conn) twice() bool { return c.bulky || c.outside }
+
+// recount tells OnActive when twice has changed from was. The caller holds
+// the token.
+func (c *conn) recount(was bool) {
+	switch now := c.twice(); {
+	case now && !was:
+		c.srv.activeChanged(1)
+	case was && !now:
 		c.srv.activeChanged(-1)
 	}
 }

@@ -25,9 +25,9 @@ import (
 // after another) does get two: its reader copies the next payload out of
 // the socket while the last one is copied into the page cache
 // (nbdtarget's conn.bulk). So does a lone connection whose client waits
-// for each reply with flushes between: an idle second P keeps the
-// scheduler from handing its P to another thread during every fdatasync
-// (nbdtarget's ownSocket).
+// for each reply with flushes between, whose socket then waits out of the
+// network poller: an idle second P keeps the scheduler from handing its P
+// to another thread during every fdatasync (nbdtarget's ownSocket).
 // Several connections do run Go code in parallel, so they get more.
 // GOMAXPROCS in the environment wins over auto, as it does for any Go
 // program.
