@@ -252,21 +252,43 @@ func TestOnActiveCallsServer(t *testing.T) {
 	}
 }
 
+// activeLog serves one 1 MiB export to a raw client on a server whose
+// OnActive calls it records; inPoller keeps sockets in the poller.
+type activeLog struct {
+	mu   sync.Mutex
+	seen []int
+}
+
+func (l *activeLog) serve(t *testing.T, inPoller bool) (*Server, *rawClient) {
+	const mb = 1 << 20
+	srv := &Server{
+		Exports:  []*Export{newExport(t, "s", seg{len: mb, dev: backing.NewMem("s", mb)})},
+		OnActive: func(n int) { l.mu.Lock(); l.seen = append(l.seen, n); l.mu.Unlock() },
+		inPoller: inPoller,
+	}
+	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
+	c.connect("s", false, false)
+	return srv, c
+}
+
+// calls is what OnActive has been called with so far, in order.
+func (l *activeLog) calls() []int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.seen)
+}
+
+// is reports whether OnActive has been called with want, in order.
+func (l *activeLog) is(want ...int) bool { return slices.Equal(l.calls(), want) }
+
 // A connection writing in bulk counts twice in OnActive, from its
 // bulkScore'th large write in a row, until as many other reads and writes
 // have brought its score back down; flushes do not count, and a bulk
 // connection that ends is counted out twice.
 func TestOnActiveBulk(t *testing.T) {
 	const mb = 1 << 20
-	var mu sync.Mutex
-	var seen []int
-	srv := &Server{
-		Exports:  []*Export{newExport(t, "s", seg{len: mb, dev: backing.NewMem("s", mb)})},
-		OnActive: func(n int) { mu.Lock(); seen = append(seen, n); mu.Unlock() },
-		inPoller: true, // its requests one at a time, and flushes, are serial mode's
-	}
-	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
-	c.connect("s", false, false)
+	var log activeLog
+	_, c := log.serve(t, true) // its requests one at a time, and flushes, are serial mode's
 	h := uint64(0)
 	send := func(typ uint16, n, times int) {
 		t.Helper()
@@ -288,10 +310,8 @@ func TestOnActiveBulk(t *testing.T) {
 	}
 	calls := func(want ...int) {
 		t.Helper()
-		mu.Lock()
-		defer mu.Unlock()
-		if !slices.Equal(seen, want) {
-			t.Fatalf("OnActive calls %v, want %v", seen, want)
+		if got := log.calls(); !slices.Equal(got, want) {
+			t.Fatalf("OnActive calls %v, want %v", got, want)
 		}
 	}
 	send(cmdWrite, bulkMin, bulkScore-1)
@@ -309,11 +329,7 @@ func TestOnActiveBulk(t *testing.T) {
 	send(cmdWrite, mb, bulkScore)
 	calls(1, 2, 1, 2)
 	c.request(cmdDisc, 0, 0, 0, 0, nil)
-	nbdtest.Until(t, "the connection to be counted out", func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return slices.Equal(seen, []int{1, 2, 1, 2, 1, 0})
-	})
+	nbdtest.Until(t, "the connection to be counted out", func() bool { return log.is(1, 2, 1, 2, 1, 0) })
 }
 
 // corkedConn holds the client's writes while corked and sends them in one
@@ -381,15 +397,8 @@ func TestTLSRepliesBatched(t *testing.T) {
 // socket out of the poller too (conn.followPoller), and still counts only
 // twice in OnActive.
 func TestBulkLeavesPoller(t *testing.T) {
-	const mb = 1 << 20
-	var mu sync.Mutex
-	var seen []int
-	srv := &Server{
-		Exports:  []*Export{newExport(t, "s", seg{len: mb, dev: backing.NewMem("s", mb)})},
-		OnActive: func(n int) { mu.Lock(); seen = append(seen, n); mu.Unlock() },
-	}
-	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
-	c.connect("s", false, false)
+	var log activeLog
+	srv, c := log.serve(t, false)
 	for h := range uint64(bulkScore) {
 		c.request(cmdWrite, 0, h, 0, bulkMin, make([]byte, bulkMin))
 		if got, errno, _ := c.simple(0); got != h || errno != 0 {
@@ -406,9 +415,5 @@ func TestBulkLeavesPoller(t *testing.T) {
 		t.Fatal("a lone connection writing in bulk is in the poller")
 	}
 	c.request(cmdDisc, 0, 0, 0, 0, nil)
-	nbdtest.Until(t, "the connection to be counted out", func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return slices.Equal(seen, []int{1, 2, 1, 0})
-	})
+	nbdtest.Until(t, "the connection to be counted out", func() bool { return log.is(1, 2, 1, 0) })
 }
