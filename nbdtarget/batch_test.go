@@ -405,12 +405,7 @@ func TestBulkLeavesPoller(t *testing.T) {
 			t.Fatalf("write %d: reply %d, errno %d", h, got, errno)
 		}
 	}
-	srv.mu.Lock()
-	var rs *rawSocket
-	for sc := range srv.conns {
-		rs = sc.sock.(*rawSocket)
-	}
-	srv.mu.Unlock()
+	rs := onlySocket(t, srv)
 	if !rs.outside() {
 		t.Fatal("a lone connection writing in bulk is in the poller")
 	}

@@ -156,3 +156,44 @@ func TestMovesWaitForNoCall(t *testing.T) {
 		t.Fatal("out of the poller after leave and rejoin")
 	}
 }
+
+// onlySocket is the server's end of its one connection.
+func onlySocket(t *testing.T, srv *Server) *rawSocket {
+	t.Helper()
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	if len(srv.conns) != 1 {
+		t.Fatalf("%d connections, want one", len(srv.conns))
+	}
+	for c := range srv.conns {
+		return c.sock.(*rawSocket)
+	}
+	return nil
+}
+
+// Deadlines go with the socket: one set in the poller holds out of it,
+// and one set out of it holds once the socket is back.
+func TestDeadlinesFollowTheSocket(t *testing.T) {
+	rs, _ := rawSocketPair(t)
+	t.Cleanup(func() { rs.Close() })
+	buf := make([]byte, 64)
+	rs.SetReadDeadline(longAgo)
+	if !rs.leave() {
+		t.Fatal("an idle socket did not leave the poller")
+	}
+	if _, err := rs.Read(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("out of the poller, a read past the deadline set in it: %v", err)
+	}
+	rs.SetReadDeadline(time.Time{})
+	rs.SetWriteDeadline(longAgo)
+	if !rs.rejoin() {
+		t.Fatal("an idle socket out of the poller did not come back")
+	}
+	if _, err := rs.Write(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("back in the poller, a write past the deadline set out of it: %v", err)
+	}
+	rs.SetReadDeadline(longAgo)
+	if _, err := rs.Read(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("back in the poller, a read past its deadline: %v", err)
+	}
+}

@@ -736,15 +736,7 @@ func TestTLSOutOfPoller(t *testing.T) {
 	c.greet(3)
 	c.startTLS(f.goClient(t, "alice"))
 	c.connect2("main")
-	sock := func() *rawSocket {
-		f.srv.mu.Lock()
-		defer f.srv.mu.Unlock()
-		for sc := range f.srv.conns {
-			return sc.sock.(*rawSocket)
-		}
-		t.Fatal("no connection")
-		return nil
-	}()
+	sock := onlySocket(t, f.srv)
 	data := bytes.Repeat([]byte("tls!"), 1024)
 	h := uint64(0)
 	for !sock.outside() {
