@@ -28,6 +28,8 @@ type File struct {
 	size   int64
 	block  bool
 	limits Limits
+	calls  callGate // bounds the system calls in progress (calls.go)
+	stall  func()   // tests: runs in every call's slot, before the system call
 }
 
 var _ Device = (*File)(nil)
@@ -57,7 +59,7 @@ func newFile(f *os.File, name string) (*File, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("stat %s: %w", name, err)
 	}
-	d := &File{f: f, fd: fd, name: name}
+	d := &File{f: f, fd: fd, name: name, calls: newCallGate()}
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		d.id = ID{Dev: st.Dev, Ino: st.Ino}
@@ -98,10 +100,31 @@ func (d *File) Size() int64    { return d.size }
 func (d *File) Limits() Limits { return d.limits }
 func (d *File) Close() error   { return d.f.Close() }
 
-func (d *File) ReadAt(p []byte, off int64) (int, error)  { return d.f.ReadAt(p, off) }
-func (d *File) WriteAt(p []byte, off int64) (int, error) { return d.f.WriteAt(p, off) }
+// enter and exit bracket each method's system calls (callGate).
+func (d *File) enter() {
+	d.calls.enter()
+	if d.stall != nil {
+		d.stall()
+	}
+}
+
+func (d *File) exit() { d.calls.exit() }
+
+func (d *File) ReadAt(p []byte, off int64) (int, error) {
+	d.enter()
+	defer d.exit()
+	return d.f.ReadAt(p, off)
+}
+
+func (d *File) WriteAt(p []byte, off int64) (int, error) {
+	d.enter()
+	defer d.exit()
+	return d.f.WriteAt(p, off)
+}
 
 func (d *File) Sync() error {
+	d.enter()
+	defer d.exit()
 	return ignoringEINTR(func() error { return unix.Fdatasync(d.fd) })
 }
 
@@ -125,6 +148,8 @@ func (d *File) Zero(off, n int64, mayPunch bool) error {
 }
 
 func (d *File) fallocate(mode uint32, off, n int64) error {
+	d.enter()
+	defer d.exit()
 	err := ignoringEINTR(func() error { return unix.Fallocate(d.fd, mode, off, n) })
 	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOSYS) {
 		return ErrNotSupported
@@ -136,6 +161,8 @@ func (d *File) fallocate(mode uint32, off, n int64) error {
 // bytes, both 512-aligned.
 func (d *File) blockRange(req uint, off, n int64) error {
 	arg := [2]uint64{uint64(off), uint64(n)}
+	d.enter()
+	defer d.exit()
 	err := ioctlPtr(d.fd, req, unsafe.Pointer(&arg))
 	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOTTY) {
 		return ErrNotSupported
@@ -149,6 +176,8 @@ func (d *File) Holes(off, n int64) ([]Range, error) {
 	if d.block {
 		return nil, nil
 	}
+	d.enter()
+	defer d.exit()
 	var holes []Range
 	end := off + n
 	for pos := off; pos < end; {

@@ -21,6 +21,8 @@ import (
 // write-back: the caller must treat the range as possibly in the page cache
 // and not durable, and the file's write-back error as consumed.
 func (d *File) WriteAtDSync(p []byte, off int64) (int, error) {
+	d.enter()
+	defer d.exit()
 	n := 0
 	for n < len(p) {
 		m, err := unix.Pwritev2(d.fd, [][]byte{p[n:]}, off+int64(n), unix.RWF_DSYNC)

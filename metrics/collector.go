@@ -227,6 +227,12 @@ var (
 	descSnapHandovers = desc("nbdmapper_snapshot_handovers_total",
 		"COW stores handed from one loaded snapshot to another (lvconvert --merge, a reloaded snapshot).")
 
+	// File system calls (backing.CallStats).
+	descDeviceCalls = desc("nbdmapper_device_calls_in_progress",
+		"System calls of backing files and block devices in the kernel now (at most 64 per device, 1024 in all).")
+	descDeviceCallWaits = desc("nbdmapper_device_call_waits_total",
+		"Times a system call of a backing device waited for a slot: its device had 64 in the kernel, or the process 1024.")
+
 	// Tables.
 	descExportSize = desc("nbdmapper_export_size_bytes",
 		"Size of the export's virtual device.",
@@ -320,7 +326,7 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 		descRemoteErrorReplies, descRemoteInFlight, descRemoteUnflushed, descRemoteLost,
 		descSnapCommits, descSnapExceptions, descSnapMaxBatch, descSnapMergesRunning,
 		descSnapMergesDone, descSnapMergeFailures, descSnapMergedBytes, descSnapHandovers,
-		descBuildInfo,
+		descDeviceCalls, descDeviceCallWaits, descBuildInfo,
 	} {
 		ch <- d
 	}
@@ -343,6 +349,9 @@ func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 		collectRemotes(ch, c.cfg.Remotes.Stats())
 	}
 	collectSnapshot(ch, snapshot.ReadStats())
+	calls := backing.ReadCallStats()
+	gauge(ch, descDeviceCalls, float64(calls.InProgress))
+	counter(ch, descDeviceCallWaits, calls.Waits)
 }
 
 // collectRemotes reports every remote export the tables opened.

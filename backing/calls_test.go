@@ -1,0 +1,179 @@
+package backing
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// hangingDisk makes Files hang on cue, as a disk that stops answering
+// does: every call of a File it stalls blocks in read(2) of an empty pipe,
+// a real system call holding its thread as a pread of a hung disk would,
+// until release, after which calls go through again.
+type hangingDisk struct {
+	r, w   int
+	inside atomic.Int64 // calls blocked in the hang now
+	once   sync.Once
+}
+
+func newHangingDisk(t *testing.T) *hangingDisk {
+	t.Helper()
+	var fds [2]int
+	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC); err != nil { // blocking, unlike os.Pipe's
+		t.Fatal(err)
+	}
+	h := &hangingDisk{r: fds[0], w: fds[1]}
+	t.Cleanup(func() {
+		h.release()
+		unix.Close(h.r)
+	})
+	return h
+}
+
+// stall makes f's calls hang.
+func (h *hangingDisk) stall(f *File) {
+	f.stall = func() {
+		h.inside.Add(1)
+		defer h.inside.Add(-1)
+		var b [1]byte
+		for {
+			if _, err := unix.Read(h.r, b[:]); err != unix.EINTR {
+				return // EOF once released
+			}
+		}
+	}
+}
+
+func (h *hangingDisk) release() { h.once.Do(func() { unix.Close(h.w) }) }
+
+// dataFile opens a fresh file holding size bytes of a pattern.
+func dataFile(t *testing.T, name string, size int) (*File, []byte) {
+	t.Helper()
+	data := bytes.Repeat([]byte(name), size/len(name)+1)[:size]
+	path := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err := OpenFile(path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f, data
+}
+
+// threads is the process's thread count (/proc/self/status).
+func threads(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Threads:"); ok {
+			n, err := strconv.Atoi(strings.TrimSpace(v))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	t.Fatal("no Threads line in /proc/self/status")
+	return 0
+}
+
+// readers starts n goroutines each reading 4 KiB of f at block i and
+// checking it against data; wait waits for them.
+func readers(t *testing.T, f *File, data []byte, n int) (wait func()) {
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			off := int64(i%(len(data)/4096)) * 4096
+			p := make([]byte, 4096)
+			if _, err := f.ReadAt(p, off); err != nil {
+				t.Errorf("read at %d: %v", off, err)
+			} else if !bytes.Equal(p, data[off:off+4096]) {
+				t.Errorf("read at %d: wrong data", off)
+			}
+		}()
+	}
+	return wg.Wait
+}
+
+// waitFor yields until cond holds.
+func waitFor(cond func() bool) {
+	for !cond() {
+		runtime.Gosched()
+	}
+}
+
+// A hung device holds at most DeviceCalls threads however many calls it is
+// given, and the other devices' calls go on meanwhile; once it answers
+// again every call completes with the right data.
+func TestHungFileHoldsBoundedThreads(t *testing.T) {
+	const callers = 300
+	hung, data := dataFile(t, "hung", 1<<20)
+	other, otherData := dataFile(t, "other", 1<<20)
+	disk := newHangingDisk(t)
+	disk.stall(hung)
+	before, threads0 := ReadCallStats(), threads(t)
+
+	done := readers(t, hung, data, callers)
+	// Until every caller past the bound waits, or more got in than should.
+	waitFor(func() bool {
+		return ReadCallStats().Waits-before.Waits == callers-DeviceCalls || disk.inside.Load() > DeviceCalls
+	})
+	if n := disk.inside.Load(); n != DeviceCalls {
+		t.Errorf("%d calls in the hung device, want %d", n, DeviceCalls)
+	}
+	if got := ReadCallStats().InProgress - before.InProgress; got != DeviceCalls {
+		t.Errorf("CallStats.InProgress grew by %d, want %d", got, DeviceCalls)
+	}
+	// The runtime keeps some threads spare, and earlier tests' idle
+	// threads are reused: the bound is on how many more there are.
+	if grew := threads(t) - threads0; grew > DeviceCalls+16 {
+		t.Errorf("%d more threads with %d calls on a hung device, want at most %d", grew, callers, DeviceCalls+16)
+	}
+	readers(t, other, otherData, 8)() // not held up by the hung device
+
+	disk.release()
+	done()
+	if n := ReadCallStats().InProgress; n != before.InProgress {
+		t.Errorf("%d calls in progress after all returned, want %d", n, before.InProgress)
+	}
+}
+
+// Hung devices together hold at most ProcessCalls threads: past that
+// every File's calls wait, and the process lives on to serve them once
+// the devices answer.
+func TestHungFilesHoldBoundedThreads(t *testing.T) {
+	devices := ProcessCalls/DeviceCalls + 1
+	disk := newHangingDisk(t)
+	before := ReadCallStats()
+	var waits []func()
+	for i := range devices {
+		f, data := dataFile(t, "dev"+strconv.Itoa(i), 1<<20)
+		disk.stall(f)
+		waits = append(waits, readers(t, f, data, DeviceCalls))
+	}
+	waitFor(func() bool {
+		return ReadCallStats().Waits-before.Waits == uint64(devices*DeviceCalls-ProcessCalls) || disk.inside.Load() > ProcessCalls
+	})
+	if n := disk.inside.Load(); n != ProcessCalls {
+		t.Errorf("%d calls in hung devices, want %d", n, ProcessCalls)
+	}
+	disk.release()
+	for _, wait := range waits {
+		wait()
+	}
+}
