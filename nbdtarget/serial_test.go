@@ -327,6 +327,14 @@ func TestSerialModeLeavesPoller(t *testing.T) {
 	f.roundTrip(t, cmdFlush)
 	check(false, 1)
 	f.roundTrip(t, cmdWrite) // the third: serial
+	// The socket moves at a request that finds no call in progress on it
+	// (rawSocket.leave's TryLock): the reply to the flush before, which ran
+	// outside serial mode, may still be leaving. In serial mode the reader
+	// replies itself, so the next request finds none.
+	extra := 0
+	for ; !f.sock().outside() && extra < 2; extra++ {
+		f.roundTrip(t, cmdFlush)
+	}
 	check(true, 2)
 	f.roundTrip(t, cmdFlush)
 	check(true, 2)
@@ -336,8 +344,8 @@ func TestSerialModeLeavesPoller(t *testing.T) {
 	check(true, 3)
 	f.roundTrip(t, cmdWrite)
 	check(false, 2)
-	if n := f.serialRequests(); n != 3 {
-		t.Fatalf("%d serial requests, want 3: the move back ends no serial mode", n)
+	if n := f.serialRequests(); n != 3+int64(extra) {
+		t.Fatalf("%d serial requests, want %d: the move back ends no serial mode", n, 3+extra)
 	}
 	f.roundTrip(t, cmdFlush)
 	check(false, 2)
