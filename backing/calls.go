@@ -33,11 +33,8 @@ const (
 // processCalls holds a token for each File system call in progress.
 var processCalls = make(chan struct{}, ProcessCalls)
 
-// callStats counts the calls for CallStats.
-var callStats struct {
-	inProgress atomic.Int64
-	waits      atomic.Uint64
-}
+// callWaits counts the waits for a slot, for CallStats.
+var callWaits atomic.Uint64
 
 // CallStats is what the bounds on File system calls show.
 type CallStats struct {
@@ -47,7 +44,7 @@ type CallStats struct {
 
 // ReadCallStats returns the counts now.
 func ReadCallStats() CallStats {
-	return CallStats{InProgress: callStats.inProgress.Load(), Waits: callStats.waits.Load()}
+	return CallStats{InProgress: int64(len(processCalls)), Waits: callWaits.Load()}
 }
 
 // callGate bounds one File's system calls: a token for each in progress.
@@ -61,21 +58,19 @@ func (g callGate) enter() {
 	select {
 	case g <- struct{}{}:
 	default:
-		callStats.waits.Add(1)
+		callWaits.Add(1)
 		g <- struct{}{}
 	}
 	select {
 	case processCalls <- struct{}{}:
 	default:
-		callStats.waits.Add(1)
+		callWaits.Add(1)
 		processCalls <- struct{}{}
 	}
-	callStats.inProgress.Add(1)
 }
 
 // exit gives the slots back.
 func (g callGate) exit() {
-	callStats.inProgress.Add(-1)
 	<-processCalls
 	<-g
 }

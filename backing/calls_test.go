@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -12,6 +11,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
 // hangingDisk makes Files hang on cue, as a disk that stops answering
@@ -110,13 +111,6 @@ func readers(t *testing.T, f *File, data []byte, n int) (wait func()) {
 	return wg.Wait
 }
 
-// waitFor yields until cond holds.
-func waitFor(cond func() bool) {
-	for !cond() {
-		runtime.Gosched()
-	}
-}
-
 // A hung device holds at most DeviceCalls threads however many calls it is
 // given, and the other devices' calls go on meanwhile; once it answers
 // again every call completes with the right data.
@@ -129,8 +123,7 @@ func TestHungFileHoldsBoundedThreads(t *testing.T) {
 	before, threads0 := ReadCallStats(), threads(t)
 
 	done := readers(t, hung, data, callers)
-	// Until every caller past the bound waits, or more got in than should.
-	waitFor(func() bool {
+	nbdtest.Until(t, "every caller past the bound to wait, or more to get in than should", func() bool {
 		return ReadCallStats().Waits-before.Waits == callers-DeviceCalls || disk.inside.Load() > DeviceCalls
 	})
 	if n := disk.inside.Load(); n != DeviceCalls {
@@ -166,7 +159,7 @@ func TestHungFilesHoldBoundedThreads(t *testing.T) {
 		disk.stall(f)
 		waits = append(waits, readers(t, f, data, DeviceCalls))
 	}
-	waitFor(func() bool {
+	nbdtest.Until(t, "every call past the bound to wait, or more to get in than should", func() bool {
 		return ReadCallStats().Waits-before.Waits == uint64(devices*DeviceCalls-ProcessCalls) || disk.inside.Load() > ProcessCalls
 	})
 	if n := disk.inside.Load(); n != ProcessCalls {
