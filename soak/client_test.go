@@ -80,6 +80,7 @@ type call struct {
 	lost       bool        // the connection died before the reply
 	covered    int64       // READ: bytes the content chunks covered
 	holes      int64       // READ: OFFSET_HOLE chunks among them
+	holeAt     []int64     // READ: the offsets of the first few, for a failure's report
 }
 
 func dialNBD(sock, export string, structured bool) (*nbdConn, error) {
@@ -304,6 +305,9 @@ func (cl *call) chunk(typ uint16, p []byte) error {
 			clear(cl.data[off-cl.off : off-cl.off+n])
 			cl.covered += n
 			cl.holes++
+			if len(cl.holeAt) < 4 {
+				cl.holeAt = append(cl.holeAt, off, n)
+			}
 		}
 	case chunkBS:
 		if cl.typ != cmdBlockStat || len(p) < 12 || (len(p)-4)%8 != 0 {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/table"
 )
 
 // disk is a real file behind a volatile write cache that fails the way
@@ -390,4 +391,49 @@ func (d *disk) holes(off, n int64) ([]backing.Range, error) {
 // isInjected reports whether err is one the disk made up.
 func isInjected(err error) bool {
 	return errors.Is(err, errInjected) || errors.Is(err, errNoSpace) || errors.Is(err, errDead)
+}
+
+// peek reads the sector at off as the disk holds it, cache first, with no
+// fault injected, for a wrong read's report; cached says whether the cache
+// had it.
+func (d *disk) peek(off int64) (b []byte, cached bool, err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	sl := d.cache[off/sector]
+	b, err = d.sectorNow(off / sector)
+	return b, sl != nil, err
+}
+
+// probe says, for a wrong read's report, what sector s of export m holds
+// below the server: on the disk (its cache, else its file) and in the hole
+// map in front of it, so that a report tells a disk that lost a write from
+// a read path that answered wrongly.
+func (r *rig) probe(m *model, s int64) (out string) {
+	defer func() {
+		if v := recover(); v != nil { // an injected panic in the hole query
+			out += fmt.Sprintf("; probe: %v", v)
+		}
+	}()
+	out = "probe: not on a disk"
+	tb := r.tables[m.name]
+	if tb == nil { // the server is another process (TestSoakKill)
+		return "probe: no disks here"
+	}
+	tb.Map(s*sector, sector, func(e table.Extent) bool {
+		hm := backing.HoleMapOf(e.Dev)
+		if hm == nil {
+			return false
+		}
+		d, ok := hm.Unwrap().(*disk)
+		if !ok {
+			return false
+		}
+		b, cached, err := d.peek(e.Off)
+		val, stamped := decode(b, m.export, s)
+		out = fmt.Sprintf("probe: %s at %d holds op %d (stamp %v, cached %v, err %v)", d.Name(), e.Off, val, stamped, cached, err)
+		holes, err := hm.Holes(e.Off, sector)
+		out += fmt.Sprintf(", its hole map says holes %v (err %v)", holes, err)
+		return false
+	})
+	return out
 }

@@ -123,6 +123,8 @@ type rig struct {
 	logged  time.Time   // last progress line
 	cut     func()      // the power cut (or kill) with requests in flight
 	close   func()      // stops the server
+
+	tables map[string]*table.Table // of the current run in this process, for probe
 }
 
 func TestSoak(t *testing.T) {
@@ -203,12 +205,14 @@ func (r *rig) start() {
 	}
 	var exports []*nbdtarget.Export
 	var tables []*table.Table
+	r.tables = make(map[string]*table.Table)
 	for _, x := range []struct{ name, text string }{{"main", mainTable}, {"org", orgTable}} {
 		tb, err := table.Parse(x.name+".table", strings.NewReader(x.text), pool)
 		if err != nil {
 			t.Fatal(err)
 		}
 		tables = append(tables, tb)
+		r.tables[x.name] = tb
 		exports = append(exports, &nbdtarget.Export{Name: x.name, Dev: mapped.New(x.name, tb, flusher, discarder)})
 	}
 	r.srv = &nbdtarget.Server{Exports: exports, OnPanic: func(v any, stack []byte) {
@@ -539,8 +543,8 @@ func (r *rig) request(c *nbdConn, m *model, sectors int64, release func()) (*cal
 				}
 				if !ok {
 					st.wrongReads.Add(1)
-					st.fail("%s: read of sector %d (issued %d, answered %d, %d sectors from %d) got op %d; %s",
-						m.name, s+i, r0, r1, n, s, val, why)
+					st.fail("%s: read of sector %d (issued %d, answered %d, %d sectors from %d, hole chunks at %v) got op %d; %s; %s",
+						m.name, s+i, r0, r1, n, s, cl.holeAt, val, why, r.probe(m, s+i))
 				}
 			}
 		})
