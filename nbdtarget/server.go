@@ -46,6 +46,13 @@ type Server struct {
 	// that does not fit waits, in arrival order; it is not failed.
 	Memory int64
 
+	// ExportMemory bounds the memory the requests of one export hold
+	// together, so that an export whose device hangs (its requests keep
+	// their buffers while they wait) or whose clients are many cannot hold
+	// all of Memory and stall every other export. Default half of Memory;
+	// at least the largest request's cost, at most Memory.
+	ExportMemory int64
+
 	// MaxConnections bounds the connections open at once, handshakes
 	// included (default DefaultMaxConnections); the excess is closed at
 	// once, before the greeting, and counted in Stats.Refused.
@@ -141,6 +148,9 @@ func (s *Server) init() {
 			s.Logger = slog.New(slog.DiscardHandler)
 		}
 		s.mem = semaphore.NewWeighted(s.memory())
+		for _, x := range list {
+			x.budget(s.exportMemory())
+		}
 		s.stopWatch = make(chan struct{})
 	})
 }
@@ -199,6 +209,13 @@ func (s *Server) memory() int64 {
 		return max(s.Memory, maxCost)
 	}
 	return DefaultMemory
+}
+
+func (s *Server) exportMemory() int64 {
+	if s.ExportMemory > 0 {
+		return min(max(s.ExportMemory, maxCost), s.memory())
+	}
+	return max(s.memory()/2, maxCost)
 }
 
 func (s *Server) maxConnections() int {
@@ -281,6 +298,7 @@ func (s *Server) AddExport(x *Export) error {
 	if slices.ContainsFunc(list, func(y *Export) bool { return y.Name == x.Name }) {
 		return fmt.Errorf("%w: %q", ErrExportExists, x.Name)
 	}
+	x.budget(s.exportMemory())
 	list = append(slices.Clone(list), x)
 	s.exports.Store(&list)
 	return nil

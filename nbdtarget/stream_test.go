@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"io"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -379,4 +380,84 @@ func TestMemoryWaitEndsWhenStopped(t *testing.T) {
 	if h, errno, _ := c.simple(4096); h != 1 || errno != 0 {
 		t.Fatalf("gated read: handle %d errno %d", h, errno)
 	}
+}
+
+// hungDev holds every read until release, as a device that stops
+// answering does, and counts the reads it holds.
+type hungDev struct {
+	backing.Device
+	held    atomic.Int64
+	release chan struct{}
+}
+
+func (d *hungDev) ReadAt(p []byte, off int64) (int, error) {
+	d.held.Add(1)
+	<-d.release
+	return d.Device.ReadAt(p, off)
+}
+
+// TestHungExportLeavesMemoryForOthers: the clients of an export whose
+// device hangs keep sending reads, whose buffers stay charged while they
+// wait. They hold at most ExportMemory, their other requests wait for it,
+// and another export's client is served meanwhile; without the export's
+// budget they would take all of Memory and that client would wait for the
+// hung device.
+func TestHungExportLeavesMemoryForOthers(t *testing.T) {
+	const piece, size = 4 << 20, 64 << 20
+	hung := &hungDev{Device: backing.NewMem("h", size), release: make(chan struct{})}
+	srv := &Server{Memory: 4 * maxCost, Exports: []*Export{
+		newExport(t, "hung", seg{len: size, dev: hung}),
+		newExport(t, "ok", seg{len: size, dev: backing.NewMem("ok", size)}),
+	}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	var unhang sync.Once
+	release := func() { unhang.Do(func() { close(hung.release) }) }
+	t.Cleanup(release)         // before the server's: its shutdown waits for the reads
+	const conns, reads = 4, 12 // 48 MiB a connection, 192 MiB in all
+	var clients []*rawClient
+	for range conns {
+		c := dialRaw(t, sock)
+		c.connect("hung", false, false)
+		for h := range reads {
+			c.request(cmdRead, 0, uint64(h+1), uint64(h)*piece, piece, nil)
+		}
+		clients = append(clients, c)
+	}
+	fit := srv.exportMemory() / (requestBase + piece)
+	waitFor(t, "the hung export's budget to fill and its next read to wait", func() bool {
+		return hung.held.Load() >= fit && srv.Stats().MemoryWaits > 0
+	})
+
+	d := dialRaw(t, sock)
+	d.connect("ok", false, false)
+	d.request(cmdRead, 0, 1, 0, piece, nil)
+	if h, errno, _ := d.simple(piece); h != 1 || errno != 0 {
+		t.Fatalf("read on the other export: handle %d errno %d", h, errno)
+	}
+	if n := hung.held.Load(); n != fit {
+		t.Fatalf("%d reads reached the hung device; its budget has room for %d", n, fit)
+	}
+
+	release()
+	// Each connection's replies are taken on their own goroutine: the
+	// requests still waiting for the budget get it as the replies of every
+	// connection leave.
+	errs := make(chan uint32, conns*reads)
+	var wg sync.WaitGroup
+	for _, c := range clients {
+		wg.Go(func() {
+			for range reads {
+				_, errno, _ := c.simple(piece)
+				errs <- errno
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for errno := range errs {
+		if errno != 0 {
+			t.Fatalf("read of the hung export, once released: errno %d", errno)
+		}
+	}
+	waitFor(t, "every request's memory to come back", func() bool { return srv.Stats().MemoryInUse == 0 })
 }

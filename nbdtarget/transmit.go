@@ -584,27 +584,29 @@ func cost(r *request) int64 {
 	return requestBase
 }
 
-// charge takes n more bytes for j from the connection's and the server's
-// budgets, waiting (in arrival order) until both have them. Only the
-// holder of the read token charges, so a connection waits without reading
-// further. The wait ends with an error, and j's memory given back, once
-// the connection is stopped (Shutdown, RemoveExport), which would
-// otherwise wait for memory that other connections hold.
+// charge takes n more bytes for j from its budgets (budgets), waiting (in
+// arrival order) for each in turn until it has them. Only the holder of
+// the read token charges, so a connection waits without reading further.
+// A budget is waited for holding only the budgets before it, which every
+// request takes in the same order, so the waits cannot form a cycle. The
+// wait ends with an error, and j's memory given back, once the connection
+// is stopped (Shutdown, RemoveExport), which would otherwise wait for
+// memory that other connections hold.
 func (c *conn) charge(j *job, n int64) error {
-	if !c.mem.TryAcquire(n) {
+	bs := c.budgets()
+	for i, b := range bs {
+		if b.TryAcquire(n) {
+			continue
+		}
+		if i > 0 {
+			c.srv.counters.memWaits.Add(1)
+		}
 		c.queued.Store(false) // waiting: send what is held back first
 		c.yieldReplies()
-		if err := c.mem.Acquire(c.stopCtx, n); err != nil {
-			c.uncharge(j)
-			return err
-		}
-	}
-	if !c.srv.mem.TryAcquire(n) {
-		c.srv.counters.memWaits.Add(1)
-		c.queued.Store(false)
-		c.yieldReplies()
-		if err := c.srv.mem.Acquire(c.stopCtx, n); err != nil {
-			c.mem.Release(n)
+		if err := b.Acquire(c.stopCtx, n); err != nil {
+			for _, held := range bs[:i] {
+				held.Release(n)
+			}
 			c.uncharge(j)
 			return err
 		}
@@ -614,15 +616,24 @@ func (c *conn) charge(j *job, n int64) error {
 	return nil
 }
 
-// tryCharge is charge without waiting: false, and nothing taken, if
-// either budget is short.
+// budgets are what a request's memory is charged to, in the order it
+// takes them: its connection's (MaxInFlightBytes), its export's
+// (ExportMemory) and the server's (Memory).
+func (c *conn) budgets() [3]*semaphore.Weighted {
+	return [3]*semaphore.Weighted{c.mem, c.x.mem, c.srv.mem}
+}
+
+// tryCharge is charge without waiting: false, and nothing taken, if any
+// budget is short.
 func (c *conn) tryCharge(j *job, n int64) bool {
-	if !c.mem.TryAcquire(n) {
-		return false
-	}
-	if !c.srv.mem.TryAcquire(n) {
-		c.mem.Release(n)
-		return false
+	bs := c.budgets()
+	for i, b := range bs {
+		if !b.TryAcquire(n) {
+			for _, held := range bs[:i] {
+				held.Release(n)
+			}
+			return false
+		}
 	}
 	c.srv.counters.memInUse.Add(n)
 	j.cost += n
@@ -635,8 +646,9 @@ func (c *conn) uncharge(j *job) {
 		return
 	}
 	c.srv.counters.memInUse.Add(-j.cost)
-	c.srv.mem.Release(j.cost)
-	c.mem.Release(j.cost)
+	for _, b := range c.budgets() {
+		b.Release(j.cost)
+	}
 	j.cost = 0
 }
 

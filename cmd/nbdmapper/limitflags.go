@@ -16,6 +16,7 @@ import (
 // limitFlags are serve's bounds on what clients can make the server hold.
 type limitFlags struct {
 	memory           byteSize
+	exportMemory     byteSize
 	maxConnections   int
 	handshakeTimeout time.Duration
 	replyTimeout     time.Duration
@@ -25,6 +26,7 @@ type limitFlags struct {
 func (f *limitFlags) register(fs *flag.FlagSet) {
 	f.memory = nbdtarget.DefaultMemory
 	fs.Var(&f.memory, "memory", "memory budget for all requests together: buffers and working sets (bytes, or with K, M, G suffix)")
+	fs.Var(&f.exportMemory, "export-memory", "memory budget for one export's requests, so that an export whose device hangs leaves the rest to the others (default half of --memory)")
 	fs.IntVar(&f.maxConnections, "max-connections", nbdtarget.DefaultMaxConnections, "connections open at once; more are closed at once and counted")
 	fs.DurationVar(&f.handshakeTimeout, "handshake-timeout", nbdtarget.DefaultHandshakeTimeout, "close clients that have not finished the NBD handshake by then")
 	fs.DurationVar(&f.replyTimeout, "reply-timeout", nbdtarget.DefaultReplyTimeout, "close clients that take none of their replies for this long")
@@ -33,6 +35,7 @@ func (f *limitFlags) register(fs *flag.FlagSet) {
 
 func (f *limitFlags) apply(s *nbdtarget.Server) {
 	s.Memory = int64(f.memory)
+	s.ExportMemory = int64(f.exportMemory)
 	s.MaxConnections = f.maxConnections
 	s.HandshakeTimeout = f.handshakeTimeout
 	s.ReplyTimeout = f.replyTimeout

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
 
 // rssOverhead is what the server may hold beyond its --memory budget: the
@@ -416,5 +418,29 @@ func TestFailedListenerExitsNonZero(t *testing.T) {
 		}
 	case <-time.After(60 * time.Second):
 		t.Fatalf("serve kept running on a failed listener\n%s", stderr.String())
+	}
+}
+
+// serve's limit flags reach the server: --export-memory is ExportMemory,
+// unset by default (half of --memory).
+func TestLimitFlagsApply(t *testing.T) {
+	for _, tc := range []struct {
+		args         []string
+		mem, perExpo int64
+	}{
+		{nil, nbdtarget.DefaultMemory, 0},
+		{[]string{"--memory", "128M", "--export-memory", "40M"}, 128 << 20, 40 << 20},
+	} {
+		var f limitFlags
+		fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+		f.register(fs)
+		if err := fs.Parse(tc.args); err != nil {
+			t.Fatal(err)
+		}
+		var s nbdtarget.Server
+		f.apply(&s)
+		if s.Memory != tc.mem || s.ExportMemory != tc.perExpo {
+			t.Errorf("%v: Memory %d ExportMemory %d, want %d and %d", tc.args, s.Memory, s.ExportMemory, tc.mem, tc.perExpo)
+		}
 	}
 }
