@@ -12,6 +12,12 @@ import (
 // I/O error.
 var ErrNotSupported = errors.New("operation not supported by device")
 
+// ErrNoDescriptor is returned by File.WriteAtDSync, having written nothing,
+// when it cannot have a descriptor of its own for the write (the process is
+// out of them). The caller writes and syncs the usual way instead, this
+// once.
+var ErrNoDescriptor = errors.New("no descriptor of its own for a durable write")
+
 // ID identifies an underlying file or block device, independent of the path
 // used to reach it: (st_dev, st_ino) for files, st_rdev for block devices,
 // the normalized URI for an export of another NBD server (package remote).

@@ -29,6 +29,7 @@ type File struct {
 	block  bool
 	limits Limits
 	calls  callGate // bounds the system calls in progress (calls.go)
+	dsync  chan int // descriptors of their own for durable writes, free (file_dsync.go)
 	stall  func()   // tests: runs in every call's slot, before the system call
 }
 
@@ -59,7 +60,7 @@ func newFile(f *os.File, name string) (*File, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("stat %s: %w", name, err)
 	}
-	d := &File{f: f, fd: fd, name: name, calls: newCallGate()}
+	d := &File{f: f, fd: fd, name: name, calls: newCallGate(), dsync: make(chan int, DeviceCalls)}
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		d.id = ID{Dev: st.Dev, Ino: st.Ino}
@@ -98,7 +99,10 @@ func (d *File) Name() string   { return d.name }
 func (d *File) ID() ID         { return d.id }
 func (d *File) Size() int64    { return d.size }
 func (d *File) Limits() Limits { return d.limits }
-func (d *File) Close() error   { return d.f.Close() }
+func (d *File) Close() error {
+	d.closeDSync()
+	return d.f.Close()
+}
 
 // enter and exit bracket each method's system calls (callGate).
 func (d *File) enter() {

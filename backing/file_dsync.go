@@ -17,15 +17,33 @@ import (
 // other (an untracked fdatasync here would consume the file's write-back
 // error unseen).
 //
-// An error other than ErrNotSupported may come from the write or from its
-// write-back: the caller must treat the range as possibly in the page cache
-// and not durable, and the file's write-back error as consumed.
+// Each write goes through a descriptor of its own: an open file
+// description of the file other than the one its other calls use, and
+// than those of the durable writes beside it. The kernel reports a
+// write-back error once per open file description (the errseq_t in its
+// struct file), to whichever call on it checks first, so two durable writes
+// on one descriptor could split an error: the one whose page was lost
+// returns 0 if the other checked first. With a description each, every
+// write sees every error since its description last checked, its own
+// page's among them. The descriptors are opened as writes need them (at
+// most DeviceCalls, the calls the File lets in at once) and kept for the
+// next; ErrNoDescriptor, with nothing written, if one cannot be opened.
+//
+// An error other than ErrNotSupported and ErrNoDescriptor may come from the
+// write or from its write-back: the caller must treat the range as possibly
+// in the page cache and not durable, and the file's write-back error as
+// consumed.
 func (d *File) WriteAtDSync(p []byte, off int64) (int, error) {
 	d.enter()
 	defer d.exit()
+	fd, err := d.takeDSync()
+	if err != nil {
+		return 0, err
+	}
+	defer d.putDSync(fd)
 	n := 0
 	for n < len(p) {
-		m, err := unix.Pwritev2(d.fd, [][]byte{p[n:]}, off+int64(n), unix.RWF_DSYNC)
+		m, err := unix.Pwritev2(fd, [][]byte{p[n:]}, off+int64(n), unix.RWF_DSYNC)
 		switch {
 		case err == unix.EINTR:
 			continue
@@ -39,6 +57,43 @@ func (d *File) WriteAtDSync(p []byte, off int64) (int, error) {
 		n += m
 	}
 	return n, nil
+}
+
+// takeDSync returns a free descriptor of the durable writes' own, opening
+// one (through /proc/self/fd, so that it is this file whatever its path
+// now names) if none is free.
+func (d *File) takeDSync() (int, error) {
+	select {
+	case fd := <-d.dsync:
+		return fd, nil
+	default:
+	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", d.fd), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("%s: reopening for a durable write: %w: %w", d.name, ErrNoDescriptor, err)
+	}
+	return fd, nil
+}
+
+// putDSync keeps fd for the next durable write.
+func (d *File) putDSync(fd int) {
+	select {
+	case d.dsync <- fd:
+	default: // not reached: at most DeviceCalls are out at once
+		unix.Close(fd)
+	}
+}
+
+// closeDSync closes the free descriptors; Close has no calls in progress.
+func (d *File) closeDSync() {
+	for {
+		select {
+		case fd := <-d.dsync:
+			unix.Close(fd)
+		default:
+			return
+		}
+	}
 }
 
 // WriteAtDSync writes p at off straight through the cache: it is cached like

@@ -2,7 +2,10 @@ package backing
 
 import (
 	"bytes"
+	"io"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestWriteAtDSync(t *testing.T) {
@@ -32,5 +35,58 @@ func TestWriteAtDSync(t *testing.T) {
 				t.Fatalf("read back differs (err %v)", err)
 			}
 		})
+	}
+}
+
+// TestWriteAtDSyncOwnDescription: a durable write goes through an open
+// file description of the file's own, not the one its other calls use,
+// and durable writes at once get one each, so that the kernel's write-back
+// errors, reported once per description, reach every one of them (see
+// WriteAtDSync). Descriptions are told apart by their file offsets, which
+// they do not share; the file is told by its inode.
+func TestWriteAtDSyncOwnDescription(t *testing.T) {
+	f, err := OpenFile(sparseFile(t, 1<<20), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAtDSync([]byte("x"), 0); err != nil {
+		t.Fatal(err)
+	}
+	a, err := f.takeDSync() // the one that write used, kept
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := f.takeDSync() // a second, as for a write beside it
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(f.dsync) != 0 {
+		t.Fatalf("%d descriptors free after taking two; the write kept one", len(f.dsync))
+	}
+	var main, st unix.Stat_t
+	unix.Fstat(f.fd, &main)
+	for i, fd := range []int{a, b} {
+		if err := unix.Fstat(fd, &st); err != nil || st.Ino != main.Ino || st.Dev != main.Dev {
+			t.Fatalf("descriptor %d is not the file (%v)", i, err)
+		}
+	}
+	for i, fd := range []int{f.fd, a, b} {
+		if _, err := unix.Seek(fd, int64(1000+i), io.SeekStart); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, fd := range []int{f.fd, a, b} {
+		if pos, _ := unix.Seek(fd, 0, io.SeekCurrent); pos != int64(1000+i) {
+			t.Fatalf("descriptor %d is at %d, moved by another: they share a description", i, pos)
+		}
+	}
+	f.putDSync(a)
+	f.putDSync(b)
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fstat(a, &st); err == nil {
+		t.Fatal("a durable write's descriptor outlived Close")
 	}
 }

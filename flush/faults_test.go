@@ -97,6 +97,35 @@ func TestWriteFUAFailure(t *testing.T) {
 	}
 }
 
+// A durable write that finds no descriptor of its own (the process is out
+// of them) wrote nothing: the FUA write is written and flushed instead,
+// this once, and does not fail the device; the next goes the durable way
+// again.
+func TestWriteFUANoDescriptor(t *testing.T) {
+	e := New()
+	a := newFileDisk(t, e, "a.img")
+	var dsyncs atomic.Int32
+	a.faulty.Inject(backing.OpDSync, func() error {
+		if dsyncs.Add(1) == 1 {
+			return fmt.Errorf("reopening: %w: %w", backing.ErrNoDescriptor, unix.EMFILE)
+		}
+		return nil
+	})
+	for i := range 2 {
+		if err := e.WriteFUA(a.dev, []byte{byte(i + 1)}, 4096); err != nil {
+			t.Fatalf("FUA write %d: %v", i, err)
+		}
+		got := make([]byte, 1)
+		if _, err := a.dev.ReadAt(got, 4096); err != nil || got[0] != byte(i+1) {
+			t.Fatalf("FUA write %d read back %v (%v)", i, got, err)
+		}
+	}
+	s := devStats(e, a.name)
+	if n := dsyncs.Load(); n != 2 || s.Failed || s.Syncs != 1 {
+		t.Fatalf("%d durable writes tried, stats %+v; want 2, one sync (the fallback's), not failed", n, s)
+	}
+}
+
 func (d *fileDisk) write(t testing.TB, off int64, b ...byte) {
 	t.Helper()
 	if _, err := d.dev.WriteAt(b, off); err != nil {

@@ -30,10 +30,12 @@ func (e *Engine) WriteFUA(d backing.Device, p []byte, off int64) error {
 	if t := e.lookup(d); t != nil && !t.noDSync.Load() {
 		if w, ok := t.Device.(DSyncWriter); ok {
 			err := t.writeDurable(w, p, off)
-			if !errors.Is(err, backing.ErrNotSupported) {
+			switch {
+			case errors.Is(err, backing.ErrNotSupported):
+				t.noDSync.Store(true) // nothing was written; write and flush
+			case !errors.Is(err, backing.ErrNoDescriptor):
 				return err
-			}
-			t.noDSync.Store(true) // nothing was written; write and flush
+			} // ErrNoDescriptor: nothing was written; write and flush this once
 		}
 	}
 	if err := e.write(d, p, off); err != nil {
@@ -49,7 +51,7 @@ func (t *tracked) writeDurable(w DSyncWriter, p []byte, off int64) error {
 	ticket := t.enter(durableCall)
 	t.mu.Unlock()
 	err := t.writeDSync(w, p, off)
-	unsupported := errors.Is(err, backing.ErrNotSupported)
+	unsupported := errors.Is(err, backing.ErrNotSupported) || errors.Is(err, backing.ErrNoDescriptor)
 	if err != nil && !unsupported {
 		// Part of it may sit in the page cache: count it as dirty.
 		t.written.Add(1)

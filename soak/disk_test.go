@@ -71,6 +71,9 @@ var (
 	errInjected = fmt.Errorf("injected fault: %w", syscall.EIO)
 	errDead     = fmt.Errorf("device powered off: %w", syscall.EIO)
 	errNoSpace  = fmt.Errorf("injected fault: %w", syscall.ENOSPC)
+	// errLostWriteBack is a durable write's own: a failed sync beside it
+	// lost its sectors.
+	errLostWriteBack = fmt.Errorf("write-back of a durable write failed: %w", syscall.EIO)
 )
 
 // injectedPanic is the value of every panic a disk injects; any other
@@ -209,19 +212,26 @@ func (d *disk) ReadAt(p []byte, off int64) (int, error) {
 
 // put caches [off, off+n) as data (nil: zeros), sector by sector.
 func (d *disk) put(op string, data []byte, off, n int64) error {
+	_, err := d.putGen(op, data, off, n)
+	return err
+}
+
+// putGen is put, also returning the generation its slots have.
+func (d *disk) putGen(op string, data []byte, off, n int64) (gen uint64, err error) {
 	if err := d.check(off, n); err != nil {
-		return err
+		return 0, err
 	}
 	before, after := d.inject(op, true)
 	if err := before(); err != nil {
-		return err
+		return 0, err
 	}
 	d.mu.Lock()
 	if d.dead.Load() { // the power went while the call waited
 		d.mu.Unlock()
-		return errDead
+		return 0, errDead
 	}
 	d.gen++
+	gen = d.gen
 	for s := off / sector; s*sector < off+n; s++ {
 		lo, hi := max(off, s*sector), min(off+n, (s+1)*sector)
 		sl := &slot{gen: d.gen}
@@ -233,7 +243,7 @@ func (d *disk) put(op string, data []byte, off, n int64) error {
 			cur, err := d.sectorNow(s)
 			if err != nil {
 				d.mu.Unlock()
-				return err
+				return gen, err
 			}
 			if data == nil {
 				clear(cur[lo-s*sector : hi-s*sector])
@@ -245,7 +255,7 @@ func (d *disk) put(op string, data []byte, off, n int64) error {
 		d.cache[s] = sl
 	}
 	d.mu.Unlock()
-	return after()
+	return gen, after()
 }
 
 func (d *disk) WriteAt(p []byte, off int64) (int, error) {
@@ -258,12 +268,27 @@ func (d *disk) WriteAt(p []byte, off int64) (int, error) {
 func (d *disk) Discard(off, n int64) error             { return d.put("discard", nil, off, n) }
 func (d *disk) Zero(off, n int64, mayPunch bool) error { return d.put("zero", nil, off, n) }
 
-// WriteAtDSync is the FUA path: cache the write, then sync.
+// WriteAtDSync is the FUA path: cache the write, then sync. Like
+// backing.File's, which writes through an open file description of its
+// own, it fails when a sync beside it failed and lost its sectors: the
+// kernel reports a write-back error to every description, each once, so
+// this write's sees it even if another sync's checked first.
 func (d *disk) WriteAtDSync(p []byte, off int64) (int, error) {
-	if _, err := d.WriteAt(p, off); err != nil {
+	gen, err := d.putGen("write", p, off, int64(len(p)))
+	if err != nil {
 		return 0, err
 	}
-	return len(p), d.Sync()
+	if err := d.Sync(); err != nil {
+		return len(p), err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for s := off / sector; s*sector < off+int64(len(p)); s++ {
+		if sl := d.cache[s]; sl != nil && sl.gen == gen && sl.lost {
+			return len(p), errLostWriteBack
+		}
+	}
+	return len(p), nil
 }
 
 // Sync writes back every cached sector that is not lost and fdatasyncs the
@@ -416,7 +441,7 @@ func (d *disk) holes(off, n int64) ([]backing.Range, error) {
 
 // isInjected reports whether err is one the disk made up.
 func isInjected(err error) bool {
-	return errors.Is(err, errInjected) || errors.Is(err, errNoSpace) || errors.Is(err, errDead)
+	return errors.Is(err, errInjected) || errors.Is(err, errNoSpace) || errors.Is(err, errDead) || errors.Is(err, errLostWriteBack)
 }
 
 // peek reads the sector at off as the disk holds it, cache first, with no
