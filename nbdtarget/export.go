@@ -3,8 +3,6 @@ package nbdtarget
 import (
 	"sync/atomic"
 
-	"golang.org/x/sync/semaphore"
-
 	"github.com/nbdmapper/nbdmapper/mapped"
 )
 
@@ -24,17 +22,7 @@ type Export struct {
 	Access *Access
 
 	st      exportStats
-	removed atomic.Bool         // RemoveExport took it out: connections to it end
-	mem     *semaphore.Weighted // Server.ExportMemory, shared by its connections
-}
-
-// budget gives x its share of the server's memory the first time it is
-// served; an export removed and added again keeps the one it had, which its
-// old connections' requests may still hold part of.
-func (x *Export) budget(n int64) {
-	if x.mem == nil {
-		x.mem = semaphore.NewWeighted(n)
-	}
+	removed atomic.Bool // RemoveExport took it out: connections to it end
 }
 
 // Size is the export size in bytes, as of now: a reload may change it.

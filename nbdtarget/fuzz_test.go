@@ -207,7 +207,9 @@ func fuzzSession(t testing.TB, in []byte, mode fuzzMode) {
 			return
 		}
 		c.structured, c.meta = s.structured, s.meta == metaYes
-		c.x, c.st = s.x, &s.x.st
+		rig.srv.mu.Lock()
+		c.x, c.st, c.xmem = s.x, &s.x.st, rig.srv.budget(s.x)
+		rig.srv.mu.Unlock()
 		c.ro = c.x.ReadOnly
 		c.transmit()
 		rig.srv.dropConn(c)

@@ -111,6 +111,7 @@ type Server struct {
 	initOnce sync.Once
 	exports  atomic.Pointer[[]*Export] // Exports, then as AddExport and RemoveExport leave it
 	mem      *semaphore.Weighted
+	budgets  map[*Export]*semaphore.Weighted // each export's (ExportMemory); under mu
 	counters serverCounters
 
 	// serialHandOver, a time.Duration, replaces handOverAfter when set:
@@ -148,9 +149,6 @@ func (s *Server) init() {
 			s.Logger = slog.New(slog.DiscardHandler)
 		}
 		s.mem = semaphore.NewWeighted(s.memory())
-		for _, x := range list {
-			x.budget(s.exportMemory())
-		}
 		s.stopWatch = make(chan struct{})
 	})
 }
@@ -298,7 +296,6 @@ func (s *Server) AddExport(x *Export) error {
 	if slices.ContainsFunc(list, func(y *Export) bool { return y.Name == x.Name }) {
 		return fmt.Errorf("%w: %q", ErrExportExists, x.Name)
 	}
-	x.budget(s.exportMemory())
 	list = append(slices.Clone(list), x)
 	s.exports.Store(&list)
 	return nil
@@ -332,7 +329,22 @@ func (s *Server) RemoveExport(name string, force bool) (*Export, error) {
 	for x.st.conns.Load() > 0 {
 		s.connGone.Wait()
 	}
+	delete(s.budgets, x)
 	return x, nil
+}
+
+// budget returns x's share of the memory (ExportMemory), made when its
+// first connection joins. s.mu must be held.
+func (s *Server) budget(x *Export) *semaphore.Weighted {
+	b := s.budgets[x]
+	if b == nil {
+		if s.budgets == nil {
+			s.budgets = make(map[*Export]*semaphore.Weighted)
+		}
+		b = semaphore.NewWeighted(s.exportMemory())
+		s.budgets[x] = b
+	}
+	return b
 }
 
 // Serve accepts connections on l until l fails or Shutdown is called, and

@@ -73,8 +73,10 @@ type conn struct {
 	transmitting bool // the handshake is over (tlsRecords); set before transmit
 	ro           bool // the export is read-only for this client
 
-	x  *Export
-	st *exportStats
+	x *Export
+	// xmem is x's memory budget on this server (Server.budget).
+	xmem *semaphore.Weighted
+	st   *exportStats
 
 	rmu        sync.Mutex   // the read token: held while decoding a request
 	readDone   bool         // the stream has ended (DISC, EOF, broken, Shutdown); under rmu
@@ -167,7 +169,7 @@ func (c *conn) join(x *Export) bool {
 	c.srv.mu.Lock()
 	ok := !x.removed.Load()
 	if ok {
-		c.x, c.st = x, &x.st
+		c.x, c.st, c.xmem = x, &x.st, c.srv.budget(x)
 		c.st.conns.Add(1)
 		c.srv.transmitting.Add(1)
 	}
@@ -620,7 +622,7 @@ func (c *conn) charge(j *job, n int64) error {
 // takes them: its connection's (MaxInFlightBytes), its export's
 // (ExportMemory) and the server's (Memory).
 func (c *conn) budgets() [3]*semaphore.Weighted {
-	return [3]*semaphore.Weighted{c.mem, c.x.mem, c.srv.mem}
+	return [3]*semaphore.Weighted{c.mem, c.xmem, c.srv.mem}
 }
 
 // tryCharge is charge without waiting: false, and nothing taken, if any
