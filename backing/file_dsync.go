@@ -68,7 +68,13 @@ func (d *File) takeDSync() (int, error) {
 		return fd, nil
 	default:
 	}
-	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", d.fd), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	// With the file's own access mode: a file opened for reading only
+	// must not become writable here (its write then fails with EBADF).
+	fl, err := unix.FcntlInt(uintptr(d.fd), unix.F_GETFL, 0)
+	if err != nil {
+		return -1, fmt.Errorf("%s: %w: %w", d.name, ErrNoDescriptor, err)
+	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", d.fd), fl&unix.O_ACCMODE|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return -1, fmt.Errorf("%s: reopening for a durable write: %w: %w", d.name, ErrNoDescriptor, err)
 	}

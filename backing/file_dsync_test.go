@@ -2,6 +2,7 @@ package backing
 
 import (
 	"bytes"
+	"errors"
 	"io"
 	"testing"
 
@@ -88,5 +89,24 @@ func TestWriteAtDSyncOwnDescription(t *testing.T) {
 	}
 	if err := unix.Fstat(a, &st); err == nil {
 		t.Fatal("a durable write's descriptor outlived Close")
+	}
+}
+
+// A file opened for reading only stays so on the durable path: its
+// descriptor of its own is read-only too, and the write fails, writing
+// nothing.
+func TestWriteAtDSyncReadOnly(t *testing.T) {
+	path := sparseFile(t, 1<<20)
+	f, err := OpenFile(path, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAtDSync([]byte("x"), 0); !errors.Is(err, unix.EBADF) {
+		t.Fatalf("durable write on a read-only file: %v, want EBADF", err)
+	}
+	got := make([]byte, 1)
+	if _, err := f.ReadAt(got, 0); err != nil || got[0] != 0 {
+		t.Fatalf("read back %v (%v): the write landed", got, err)
 	}
 }

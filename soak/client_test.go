@@ -80,7 +80,7 @@ type call struct {
 	lost       bool        // the connection died before the reply
 	covered    int64       // READ: bytes the content chunks covered
 	holes      int64       // READ: OFFSET_HOLE chunks among them
-	holeAt     []int64     // READ: the offsets of the first few, for a failure's report
+	holeAt     []int64     // READ: offset and length of the first two, for a failure's report
 }
 
 func dialNBD(sock, export string, structured bool) (*nbdConn, error) {

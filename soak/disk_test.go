@@ -52,9 +52,11 @@ type disk struct {
 	cache map[int64]*slot // sector -> cached contents
 	gen   uint64
 
-	// waited, if set, runs in a read after its checks, before it reaches
-	// the cache: where a read waits while the power goes (TestCutMidRead).
-	waited func()
+	// Tests: waited runs in a read after its checks, before it reaches the
+	// cache, where a read waits while the power goes (TestCutMidRead);
+	// beside runs in a durable write between its write and its sync, where
+	// another sync may run (TestDurableWriteSeesLostSectors).
+	waited, beside func()
 }
 
 type slot struct {
@@ -278,6 +280,9 @@ func (d *disk) WriteAtDSync(p []byte, off int64) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	if d.beside != nil {
+		d.beside()
+	}
 	if err := d.Sync(); err != nil {
 		return len(p), err
 	}
@@ -439,11 +444,6 @@ func (d *disk) holes(off, n int64) ([]backing.Range, error) {
 	return out, nil
 }
 
-// isInjected reports whether err is one the disk made up.
-func isInjected(err error) bool {
-	return errors.Is(err, errInjected) || errors.Is(err, errNoSpace) || errors.Is(err, errDead) || errors.Is(err, errLostWriteBack)
-}
-
 // peek reads the sector at off as the disk holds it, cache first, with no
 // fault injected, for a wrong read's report; cached says whether the cache
 // had it.
@@ -516,5 +516,39 @@ func TestCutMidRead(t *testing.T) {
 	d.waited = d.Crash
 	if n, err := d.ReadAt(got, 0); !errors.Is(err, errDead) {
 		t.Fatalf("read under way at the cut: %d bytes, err %v; want %v", n, err, errDead)
+	}
+}
+
+// TestDurableWriteSeesLostSectors: a sync that fails beside a durable write
+// loses the write's sectors; the write's own sync then finds nothing to
+// write back and succeeds, and the write must fail all the same, as one
+// through a description of its own does (backing.File.WriteAtDSync).
+func TestDurableWriteSeesLostSectors(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "d")
+	if err := os.WriteFile(path, make([]byte, 4*sector), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := backing.OpenFile(path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fl := &faults{syncFail: 1}
+	d := newDisk(f, fl)
+	defer d.Close()
+	d.beside = func() {
+		fl.on.Store(true)
+		if err := d.Sync(); err == nil {
+			t.Error("the sync beside did not fail")
+		}
+		fl.on.Store(false)
+	}
+	p := make([]byte, sector)
+	stamp(p, 1, 0, 7)
+	if _, err := d.WriteAtDSync(p, 0); !errors.Is(err, errLostWriteBack) {
+		t.Fatalf("durable write whose sectors a failed sync lost: %v; want %v", err, errLostWriteBack)
+	}
+	d.beside = nil
+	if _, err := d.WriteAtDSync(p, 0); err != nil {
+		t.Fatalf("durable write with nothing failing beside it: %v", err)
 	}
 }

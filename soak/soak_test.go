@@ -204,14 +204,12 @@ func (r *rig) start() {
 		pool.Add(name, backing.NewHoleMap(d))
 	}
 	var exports []*nbdtarget.Export
-	var tables []*table.Table
 	r.tables = make(map[string]*table.Table)
 	for _, x := range []struct{ name, text string }{{"main", mainTable}, {"org", orgTable}} {
 		tb, err := table.Parse(x.name+".table", strings.NewReader(x.text), pool)
 		if err != nil {
 			t.Fatal(err)
 		}
-		tables = append(tables, tb)
 		r.tables[x.name] = tb
 		exports = append(exports, &nbdtarget.Export{Name: x.name, Dev: mapped.New(x.name, tb, flusher, discarder)})
 	}
@@ -245,7 +243,7 @@ func (r *rig) start() {
 		case <-time.After(bound):
 			t.Fatalf("Serve did not return after Shutdown")
 		}
-		for _, tb := range tables {
+		for _, tb := range r.tables {
 			tb.Close()
 		}
 		pool.Close()
