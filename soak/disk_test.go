@@ -494,16 +494,7 @@ func (r *rig) probe(m *model, s int64) (out string) {
 // after the cut would see (the soak once took such an answer for a wrong
 // read).
 func TestCutMidRead(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "d")
-	if err := os.WriteFile(path, make([]byte, 4*sector), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	f, err := backing.OpenFile(path, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	d := newDisk(f, nil)
-	defer d.Close()
+	d := testDisk(t, nil)
 	written := make([]byte, sector)
 	stamp(written, 1, 0, 7)
 	if _, err := d.WriteAt(written, 0); err != nil {
@@ -524,17 +515,8 @@ func TestCutMidRead(t *testing.T) {
 // write back and succeeds, and the write must fail all the same, as one
 // through a description of its own does (backing.File.WriteAtDSync).
 func TestDurableWriteSeesLostSectors(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "d")
-	if err := os.WriteFile(path, make([]byte, 4*sector), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	f, err := backing.OpenFile(path, false)
-	if err != nil {
-		t.Fatal(err)
-	}
 	fl := &faults{syncFail: 1}
-	d := newDisk(f, fl)
-	defer d.Close()
+	d := testDisk(t, fl)
 	d.beside = func() {
 		fl.on.Store(true)
 		if err := d.Sync(); err == nil {
@@ -551,4 +533,20 @@ func TestDurableWriteSeesLostSectors(t *testing.T) {
 	if _, err := d.WriteAtDSync(p, 0); err != nil {
 		t.Fatalf("durable write with nothing failing beside it: %v", err)
 	}
+}
+
+// testDisk is a disk of four sectors over a file of the test's, with fl.
+func testDisk(t *testing.T, fl *faults) *disk {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "d")
+	if err := os.WriteFile(path, make([]byte, 4*sector), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := backing.OpenFile(path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := newDisk(f, fl)
+	t.Cleanup(func() { d.Close() })
+	return d
 }
