@@ -147,3 +147,48 @@ func TestParseConsole(t *testing.T) {
 		})
 	}
 }
+
+// TestBootWatchdog has the first boot hang where a real one once did,
+// before /init printed anything, and checks that run.sh killed it and
+// booted again to run the script.
+func TestBootWatchdog(t *testing.T) {
+	if testing.Short() {
+		t.Skip("guest VM boots skipped in -short mode")
+	}
+	if _, err := exec.LookPath("bash"); err != nil {
+		t.Skip("no bash to run vmtest/run.sh")
+	}
+	dir := t.TempDir()
+	script := dir + "/hello.sh"
+	if err := os.WriteFile(script, []byte("echo WATCHDOG-JOB-RAN\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := dir + "/out"
+	cmd := exec.Command("bash", "run.sh", "-o", out, "-t", "600", script)
+	cmd.Env = append(os.Environ(), "VMTEST_HANG_BOOTS=1", "VMTEST_BOOT_LIMIT=60")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	console, err := cmd.Output()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) && ee.ExitCode() == 77 {
+		t.Skipf("SKIPPING the boot watchdog: QEMU cannot run here:\n%s", stderr.String())
+	}
+	if err != nil {
+		t.Fatalf("run.sh: %v\nconsole:\n%s\nlog:\n%s", err, console, stderr.String())
+	}
+	if !strings.Contains(stderr.String(), "boot 1 of 3: no VMTEST-BOOTED") {
+		t.Errorf("run.sh did not report the hung boot:\n%s", stderr.String())
+	}
+	hung, err := os.ReadFile(out + "/kernel.hung1.log")
+	if err != nil {
+		t.Fatalf("the hung boot's kernel log was not kept: %v", err)
+	}
+	// The hang stands for one after the kernel started init: its log
+	// shows that much, and the console of the boot that ran shows the job.
+	if !bytes.Contains(hung, []byte("Run /init")) {
+		t.Errorf("the hung boot's kernel log does not reach init:\n%s", hung)
+	}
+	if !bytes.Contains(console, []byte("WATCHDOG-JOB-RAN")) || !bytes.Contains(console, []byte("VMTEST-EXIT 0")) {
+		t.Errorf("the second boot did not run the script:\n%s", console)
+	}
+}
