@@ -197,9 +197,8 @@ boot() {
 	return "${PIPESTATUS[0]}"
 }
 
-# A guest under TCG on a loaded host has, rarely, hung before its /init ran:
-# no line on the console, the kernel's log ending mid-boot, until the
-# timeout. Nothing of the job has run then and the disk is untouched, so
+# A guest under TCG on a loaded host has, rarely, hung before its /init
+# printed its first line: nothing on the console until the timeout. Nothing of the job has run then and the disk is untouched, so
 # the boot is tried again. The watchdog waits boot_limit seconds (default
 # 240; a boot takes 5-15 s) for init's VMTEST-BOOTED line; VMTEST_HANG_BOOTS=N
 # makes the first N boots' init hang at that point, to test it.
@@ -208,6 +207,7 @@ for attempt in $(seq "$boots"); do
 	log "booting $kver (TCG, $cpus vCPUs, ${mem_mb} MiB), console in $out/console.log, kernel log in $out/kernel.log"
 	start=$(date +%s)
 	: >"$out/console.log"
+	: >"$out/kernel.log"
 	boot "$attempt" &
 	guest=$!
 	booted=0
