@@ -198,8 +198,9 @@ boot() {
 }
 
 # A guest under TCG on a loaded host has, rarely, hung before its /init
-# printed its first line: nothing on the console until the timeout. Nothing of the job has run then and the disk is untouched, so
-# the boot is tried again. The watchdog waits boot_limit seconds (default
+# printed its first line: nothing on the console until the timeout.
+# Nothing of the job has run then and the disk is untouched, so the boot
+# is tried again. The watchdog waits boot_limit seconds (default
 # 240; a boot takes 5-15 s) for init's VMTEST-BOOTED line; VMTEST_HANG_BOOTS=N
 # makes the first N boots' init hang at that point, to test it.
 boot_limit=${VMTEST_BOOT_LIMIT:-240} boots=3
