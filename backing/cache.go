@@ -44,7 +44,6 @@ func Cache(d Device, off, n int64, buf []byte) error {
 // Cache starts readahead of [off, off+n) into the page cache
 // (posix_fadvise WILLNEED) and returns without waiting for it.
 func (d *File) Cache(off, n int64) error {
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	return unix.Fadvise(d.fd, off, n, unix.FADV_WILLNEED)
 }

@@ -17,21 +17,35 @@ import "sync/atomic"
 // The device's bound comes first, so that a hung device's waiting calls
 // wait on it without taking any of the process's slots: one hung device
 // holds at most DeviceCalls threads, and the others keep their calls.
-// Nothing is waited for while a slot is held but the system call itself,
-// so the bounds cannot deadlock.
+// Sixteen hung devices hold every slot of the process's, though; so that
+// the other devices live on then, a device whose call finds none free may
+// still make one call at a time, from a reserve of ReserveCalls kept for
+// that. However many devices hang, the threads in File calls number at
+// most ProcessCalls + ReserveCalls, and until more than ReserveCalls of
+// them hang, every device that answers goes on answering (a call at a
+// time while the process's slots are all taken). Nothing is waited for
+// while a slot is held but the system call itself, so the bounds cannot
+// deadlock.
 const (
 	// DeviceCalls is how many system calls one File makes at once: deeper
 	// than any one client's queue that the benchmarks drive (fio's 32),
 	// and as deep as qemu-nbd's whole thread pool.
 	DeviceCalls = 64
 	// ProcessCalls is how many system calls the Files of the process make
-	// at once: a tenth of the runtime's thread limit, so that sixteen
-	// hung devices use 1,024 threads and the process lives on.
+	// at once, but for the reserve: a tenth of the runtime's thread limit,
+	// so that sixteen hung devices use 1,024 threads and the process lives
+	// on.
 	ProcessCalls = 1024
+	// ReserveCalls is how many Files may each make one call more when
+	// ProcessCalls are all in the kernel: with them, the threads in File
+	// calls number under a third of the runtime's limit.
+	ReserveCalls = 2048
 )
 
-// processCalls holds a token for each File system call in progress.
+// processCalls holds a token for each File system call in progress but
+// those on the reserve, which reserveCalls holds a token for.
 var processCalls = make(chan struct{}, ProcessCalls)
+var reserveCalls = make(chan struct{}, ReserveCalls)
 
 // callWaits counts the waits for a slot, for CallStats.
 var callWaits atomic.Uint64
@@ -44,33 +58,66 @@ type CallStats struct {
 
 // ReadCallStats returns the counts now.
 func ReadCallStats() CallStats {
-	return CallStats{InProgress: int64(len(processCalls)), Waits: callWaits.Load()}
+	return CallStats{InProgress: int64(len(processCalls) + len(reserveCalls)), Waits: callWaits.Load()}
 }
 
-// callGate bounds one File's system calls: a token for each in progress.
-type callGate chan struct{}
+// callGate bounds one File's system calls: a token in dev for each in
+// progress, and one in own while a call is on the reserve.
+type callGate struct {
+	dev chan struct{}
+	own chan struct{}
+}
 
-func newCallGate() callGate { return make(callGate, DeviceCalls) }
+func newCallGate() callGate {
+	return callGate{dev: make(chan struct{}, DeviceCalls), own: make(chan struct{}, 1)}
+}
 
-// enter takes a slot of the device's and one of the process's, waiting
-// for each in that order if it must.
-func (g callGate) enter() {
+// A callSlot is which of the process's slots a call holds.
+type callSlot bool
+
+const (
+	processSlot callSlot = false
+	reserveSlot callSlot = true
+)
+
+// enter takes a slot of the device's and then one of the process's, or,
+// if those are all taken, the device's one on the reserve, waiting for
+// whichever comes first if it must; it returns the one it took, for exit.
+func (g callGate) enter() callSlot {
 	select {
-	case g <- struct{}{}:
+	case g.dev <- struct{}{}:
 	default:
 		callWaits.Add(1)
-		g <- struct{}{}
+		g.dev <- struct{}{}
 	}
 	select {
 	case processCalls <- struct{}{}:
+		return processSlot
 	default:
-		callWaits.Add(1)
+	}
+	callWaits.Add(1)
+	select {
+	case processCalls <- struct{}{}:
+		return processSlot
+	case g.own <- struct{}{}:
+	}
+	select {
+	case reserveCalls <- struct{}{}:
+		return reserveSlot
+	default: // the reserve is spent: wait for the process's
+		<-g.own
 		processCalls <- struct{}{}
+		return processSlot
 	}
 }
 
-// exit gives the slots back.
-func (g callGate) exit() {
-	<-processCalls
-	<-g
+// exit gives back the slots enter took.
+func (g callGate) exit(s callSlot) {
+	if s == reserveSlot {
+		<-reserveCalls
+		<-g.own
+	} else {
+		<-processCalls
+	}
+	<-g.dev
 }

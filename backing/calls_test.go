@@ -146,27 +146,98 @@ func TestHungFileHoldsBoundedThreads(t *testing.T) {
 	}
 }
 
-// Hung devices together hold at most ProcessCalls threads: past that
-// every File's calls wait, and the process lives on to serve them once
-// the devices answer.
-func TestHungFilesHoldBoundedThreads(t *testing.T) {
-	devices := ProcessCalls/DeviceCalls + 1
-	disk := newHangingDisk(t)
-	before := ReadCallStats()
+// hangDevices stalls n fresh Files on disk with DeviceCalls readers each,
+// and waits until inside of them are in the hung calls; it returns what
+// waits for the readers.
+func hangDevices(t *testing.T, disk *hangingDisk, n int, inside int64) (wait func()) {
+	t.Helper()
 	var waits []func()
-	for i := range devices {
+	for i := range n {
 		f, data := dataFile(t, "dev"+strconv.Itoa(i), 1<<20)
 		disk.stall(f)
 		waits = append(waits, readers(t, f, data, DeviceCalls))
 	}
-	nbdtest.Until(t, "every call past the bound to wait, or more to get in than should", func() bool {
-		return ReadCallStats().Waits-before.Waits == uint64(devices*DeviceCalls-ProcessCalls) || disk.inside.Load() > ProcessCalls
-	})
-	if n := disk.inside.Load(); n != ProcessCalls {
-		t.Errorf("%d calls in hung devices, want %d", n, ProcessCalls)
+	nbdtest.Until(t, "the hung calls to get in", func() bool { return disk.inside.Load() >= inside })
+	return func() {
+		for _, wait := range waits {
+			wait()
+		}
 	}
+}
+
+// Hung devices together hold every slot of the process's and one call
+// each on the reserve, no more; a device that answers then gets one call
+// at a time in, and the process lives on to serve every call once the
+// devices answer.
+func TestHungFilesLeaveEveryDeviceACall(t *testing.T) {
+	disk := newHangingDisk(t)
+	before := ReadCallStats()
+	full := hangDevices(t, disk, ProcessCalls/DeviceCalls, ProcessCalls)
+	// One device more: one of its calls gets in on the reserve, the
+	// others wait for it (or for a slot of the process's).
+	waitsFull := ReadCallStats().Waits
+	more := hangDevices(t, disk, 1, ProcessCalls+1)
+	nbdtest.Until(t, "the last device's other calls to wait, or more of them to get in", func() bool {
+		return ReadCallStats().Waits-waitsFull == DeviceCalls || disk.inside.Load() > ProcessCalls+1
+	})
+	if n := disk.inside.Load(); n != ProcessCalls+1 {
+		t.Fatalf("%d calls in hung devices, want %d", n, ProcessCalls+1) // and the read below would wait for them
+	}
+	if got := ReadCallStats().InProgress - before.InProgress; got != ProcessCalls+1 {
+		t.Errorf("CallStats.InProgress grew by %d, want %d", got, ProcessCalls+1)
+	}
+
+	other, otherData := dataFile(t, "other", 1<<20)
+	readers(t, other, otherData, 8)() // one at a time, on the reserve
+
 	disk.release()
-	for _, wait := range waits {
-		wait()
+	full()
+	more()
+	if n := ReadCallStats().InProgress; n != before.InProgress {
+		t.Errorf("%d calls in progress after all returned, want %d", n, before.InProgress)
+	}
+}
+
+// Once the reserve is spent too, every call waits for a slot of the
+// process's, holding no thread, and is answered when the devices answer.
+func TestHungFilesSpendTheReserve(t *testing.T) {
+	const reserve = 2
+	saved := reserveCalls
+	reserveCalls = make(chan struct{}, reserve)
+	t.Cleanup(func() { reserveCalls = saved })
+	const devices = ProcessCalls/DeviceCalls + 2*reserve
+	disk := newHangingDisk(t)
+	before := ReadCallStats()
+	full := hangDevices(t, disk, devices, ProcessCalls+reserve)
+	// Every call that found the process's slots taken waited once,
+	// those that went on to the reserve too.
+	parked := uint64(devices*DeviceCalls - ProcessCalls)
+	nbdtest.Until(t, "the hung devices' other calls to wait", func() bool {
+		return ReadCallStats().Waits-before.Waits == parked
+	})
+
+	other, otherData := dataFile(t, "other", 1<<20)
+	done := make(chan struct{})
+	go func() {
+		readers(t, other, otherData, 1)()
+		close(done)
+	}()
+	nbdtest.Until(t, "the read of the device that answers to wait", func() bool {
+		return ReadCallStats().Waits-before.Waits == parked+1
+	})
+	select {
+	case <-done:
+		t.Error("a read got in with the process's slots and the reserve all held")
+	default:
+	}
+	if n := disk.inside.Load(); n != ProcessCalls+reserve {
+		t.Errorf("%d calls in hung devices, want %d", n, ProcessCalls+reserve)
+	}
+
+	disk.release()
+	full()
+	<-done
+	if n := ReadCallStats().InProgress; n != before.InProgress {
+		t.Errorf("%d calls in progress after all returned, want %d", n, before.InProgress)
 	}
 }

@@ -104,31 +104,30 @@ func (d *File) Close() error {
 	return d.f.Close()
 }
 
-// enter and exit bracket each method's system calls (callGate).
-func (d *File) enter() {
-	d.calls.enter()
+// enter and exit bracket each method's system calls (callGate):
+// defer d.exit(d.enter()).
+func (d *File) enter() callSlot {
+	s := d.calls.enter()
 	if d.stall != nil {
 		d.stall()
 	}
+	return s
 }
 
-func (d *File) exit() { d.calls.exit() }
+func (d *File) exit(s callSlot) { d.calls.exit(s) }
 
 func (d *File) ReadAt(p []byte, off int64) (int, error) {
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	return d.f.ReadAt(p, off)
 }
 
 func (d *File) WriteAt(p []byte, off int64) (int, error) {
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	return d.f.WriteAt(p, off)
 }
 
 func (d *File) Sync() error {
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	return ignoringEINTR(func() error { return unix.Fdatasync(d.fd) })
 }
 
@@ -152,8 +151,7 @@ func (d *File) Zero(off, n int64, mayPunch bool) error {
 }
 
 func (d *File) fallocate(mode uint32, off, n int64) error {
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	err := ignoringEINTR(func() error { return unix.Fallocate(d.fd, mode, off, n) })
 	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOSYS) {
 		return ErrNotSupported
@@ -165,8 +163,7 @@ func (d *File) fallocate(mode uint32, off, n int64) error {
 // bytes, both 512-aligned.
 func (d *File) blockRange(req uint, off, n int64) error {
 	arg := [2]uint64{uint64(off), uint64(n)}
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	err := ioctlPtr(d.fd, req, unsafe.Pointer(&arg))
 	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOTTY) {
 		return ErrNotSupported
@@ -180,8 +177,7 @@ func (d *File) Holes(off, n int64) ([]Range, error) {
 	if d.block {
 		return nil, nil
 	}
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	var holes []Range
 	end := off + n
 	for pos := off; pos < end; {

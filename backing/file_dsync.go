@@ -34,8 +34,7 @@ import (
 // in the page cache and not durable, and the file's write-back error as
 // consumed.
 func (d *File) WriteAtDSync(p []byte, off int64) (int, error) {
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	fd, err := d.takeDSync()
 	if err != nil {
 		return 0, err

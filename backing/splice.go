@@ -45,8 +45,7 @@ var (
 // SpliceTo splices the range from the file. Reading past the end is the
 // short read it is for ReadAt.
 func (d *File) SpliceTo(pipe int, off int64, n int) (bool, error) {
-	d.enter()
-	defer d.exit()
+	defer d.exit(d.enter())
 	for n > 0 {
 		k, err := unix.Splice(d.fd, &off, pipe, nil, n, unix.SPLICE_F_MOVE)
 		switch {
