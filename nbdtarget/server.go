@@ -42,8 +42,10 @@ type Server struct {
 	// Memory bounds the memory every request of every connection holds
 	// together: payload and read buffers and each request's working set
 	// (see cost). Default DefaultMemory; at least the largest request's
-	// cost, a little over MaxPayload. A request
-	// that does not fit waits, in arrival order; it is not failed.
+	// cost, a little over MaxPayload. A quarter of it is kept for exports
+	// whose requests find the rest all taken, a request of each at a time
+	// (reserve.go). A request that does not fit waits, in arrival order;
+	// it is not failed.
 	Memory int64
 
 	// ExportMemory bounds the memory the requests of one export hold
@@ -110,8 +112,9 @@ type Server struct {
 
 	initOnce sync.Once
 	exports  atomic.Pointer[[]*Export] // Exports, then as AddExport and RemoveExport leave it
-	mem      *semaphore.Weighted
-	budgets  map[*Export]*semaphore.Weighted // each export's (ExportMemory); under mu
+	mem      *semaphore.Weighted       // Memory but the reserve
+	reserve  *memReserve               // the rest, for exports that find mem all taken (reserve.go)
+	budgets  map[*Export]*exportBudget // each export's (ExportMemory); under mu
 	counters serverCounters
 
 	// serialHandOver, a time.Duration, replaces handOverAfter when set:
@@ -148,7 +151,9 @@ func (s *Server) init() {
 		if s.Logger == nil {
 			s.Logger = slog.New(slog.DiscardHandler)
 		}
-		s.mem = semaphore.NewWeighted(s.memory())
+		common, reserve := splitMemory(s.memory())
+		s.mem = semaphore.NewWeighted(common)
+		s.reserve = newMemReserve(reserve)
 		s.stopWatch = make(chan struct{})
 	})
 }
@@ -335,13 +340,13 @@ func (s *Server) RemoveExport(name string, force bool) (*Export, error) {
 
 // budget returns x's share of the memory (ExportMemory), made when its
 // first connection joins. s.mu must be held.
-func (s *Server) budget(x *Export) *semaphore.Weighted {
+func (s *Server) budget(x *Export) *exportBudget {
 	b := s.budgets[x]
 	if b == nil {
 		if s.budgets == nil {
-			s.budgets = make(map[*Export]*semaphore.Weighted)
+			s.budgets = make(map[*Export]*exportBudget)
 		}
-		b = semaphore.NewWeighted(s.exportMemory())
+		b = newExportBudget(s.exportMemory())
 		s.budgets[x] = b
 	}
 	return b

@@ -75,7 +75,7 @@ type conn struct {
 
 	x *Export
 	// xmem is x's memory budget on this server (Server.budget).
-	xmem *semaphore.Weighted
+	xmem *exportBudget
 	st   *exportStats
 
 	rmu        sync.Mutex   // the read token: held while decoding a request
@@ -595,7 +595,7 @@ func cost(r *request) int64 {
 // is stopped (Shutdown, RemoveExport), which would otherwise wait for
 // memory that other connections hold.
 func (c *conn) charge(j *job, n int64) error {
-	bs := c.budgets()
+	bs := c.budgets(j)
 	for i, b := range bs {
 		if b.TryAcquire(n) {
 			continue
@@ -605,7 +605,13 @@ func (c *conn) charge(j *job, n int64) error {
 		}
 		c.queued.Store(false) // waiting: send what is held back first
 		c.yieldReplies()
-		if err := b.Acquire(c.stopCtx, n); err != nil {
+		var err error
+		if i == len(bs)-1 && j.cost == 0 {
+			err = c.awaitMemory(j, n) // the server's Memory, or its reserve
+		} else {
+			err = b.Acquire(c.stopCtx, n)
+		}
+		if err != nil {
 			for _, held := range bs[:i] {
 				held.Release(n)
 			}
@@ -618,17 +624,20 @@ func (c *conn) charge(j *job, n int64) error {
 	return nil
 }
 
-// budgets are what a request's memory is charged to, in the order it
-// takes them: its connection's (MaxInFlightBytes), its export's
-// (ExportMemory) and the server's (Memory).
-func (c *conn) budgets() [3]*semaphore.Weighted {
-	return [3]*semaphore.Weighted{c.mem, c.xmem, c.srv.mem}
+// budgets are what j's memory is charged to, in the order it takes them:
+// its connection's (MaxInFlightBytes), its export's (ExportMemory) and the
+// server's (Memory, or the reserve if j is on it).
+func (c *conn) budgets(j *job) [3]*semaphore.Weighted {
+	if j.reserved {
+		return [3]*semaphore.Weighted{c.mem, c.xmem.Weighted, c.srv.reserve.sem}
+	}
+	return [3]*semaphore.Weighted{c.mem, c.xmem.Weighted, c.srv.mem}
 }
 
 // tryCharge is charge without waiting: false, and nothing taken, if any
 // budget is short.
 func (c *conn) tryCharge(j *job, n int64) bool {
-	bs := c.budgets()
+	bs := c.budgets(j)
 	for i, b := range bs {
 		if !b.TryAcquire(n) {
 			for _, held := range bs[:i] {
@@ -642,14 +651,23 @@ func (c *conn) tryCharge(j *job, n int64) bool {
 	return true
 }
 
-// uncharge gives j's memory back.
+// uncharge gives j's memory back, and its export's turn on the reserve if
+// it had it.
 func (c *conn) uncharge(j *job) {
 	if j.cost == 0 {
 		return
 	}
 	c.srv.counters.memInUse.Add(-j.cost)
-	for _, b := range c.budgets() {
+	bs := c.budgets(j)
+	for _, b := range bs[:2] {
 		b.Release(j.cost)
+	}
+	if j.reserved {
+		<-c.xmem.turn // before the reserve wakes its waiters, which may want it
+		c.srv.reserve.release(j.cost)
+		j.reserved = false
+	} else {
+		c.srv.mem.Release(j.cost)
 	}
 	j.cost = 0
 }
@@ -1282,9 +1300,10 @@ func (c *conn) unlockSend() {
 // job is one request on its way through a worker. Jobs and their buffers
 // are pooled, so steady-state I/O allocates almost nothing per request.
 type job struct {
-	req   request
-	start time.Time
-	cost  int64 // budget bytes held
+	req      request
+	start    time.Time
+	cost     int64 // budget bytes held
+	reserved bool  // charged to the server's reserve instead of its Memory (reserve.go)
 
 	bufp *[]byte // pooled payload or read buffer
 	buf  []byte  // (*bufp)[:req.Length]

@@ -25,7 +25,7 @@ type limitFlags struct {
 
 func (f *limitFlags) register(fs *flag.FlagSet) {
 	f.memory = nbdtarget.DefaultMemory
-	fs.Var(&f.memory, "memory", "memory budget for all requests together: buffers and working sets (bytes, or with K, M, G suffix)")
+	fs.Var(&f.memory, "memory", "memory budget for all requests together: buffers and working sets, a quarter kept in reserve for exports that find the rest taken (bytes, or with K, M, G suffix)")
 	fs.Var(&f.exportMemory, "export-memory", "memory budget for one export's requests, so that an export whose device hangs leaves the rest to the others (default half of --memory)")
 	fs.IntVar(&f.maxConnections, "max-connections", nbdtarget.DefaultMaxConnections, "connections open at once; more are closed at once and counted")
 	fs.DurationVar(&f.handshakeTimeout, "handshake-timeout", nbdtarget.DefaultHandshakeTimeout, "close clients that have not finished the NBD handshake by then")
