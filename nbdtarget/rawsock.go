@@ -116,6 +116,8 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 	switch {
 	case err != nil:
 		return 0, err
+	case errno != 0 && s.closed.Load():
+		return 0, net.ErrClosed // shut down by Close under the call
 	case errno != 0:
 		return 0, os.NewSyscallError("read", errno)
 	case n == 0:
@@ -147,6 +149,8 @@ func (s *rawSocket) Write(p []byte) (int, error) {
 	switch {
 	case err != nil:
 		return done, err
+	case errno != 0 && s.closed.Load():
+		return done, net.ErrClosed // shut down by Close under the call (EPIPE)
 	case errno != 0:
 		return done, os.NewSyscallError("write", errno)
 	}
