@@ -1,6 +1,10 @@
 package backing
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+
+	"github.com/nbdmapper/nbdmapper/internal/signal"
+)
 
 // A File's system calls can block for as long as the disk likes: a pread
 // of data not in the page cache, a pwrite throttled by dirty-page write-back,
@@ -82,7 +86,8 @@ const (
 
 // enter takes a slot of the device's and then one of the process's, or,
 // if those are all taken, the device's one on the reserve, waiting for
-// whichever comes first if it must; it returns the one it took, for exit.
+// whichever comes first if it must (and, with the reserve spent, trying it
+// again whenever a call on it ends); it returns the one it took, for exit.
 func (g callGate) enter() callSlot {
 	select {
 	case g.dev <- struct{}{}:
@@ -96,18 +101,26 @@ func (g callGate) enter() callSlot {
 	default:
 	}
 	callWaits.Add(1)
-	select {
-	case processCalls <- struct{}{}:
-		return processSlot
-	case g.own <- struct{}{}:
-	}
-	select {
-	case reserveCalls <- struct{}{}:
-		return reserveSlot
-	default: // the reserve is spent: wait for the process's
+	for {
+		freed := reserveFreed.C() // before trying, so that no release is missed
+		select {
+		case processCalls <- struct{}{}:
+			return processSlot
+		case g.own <- struct{}{}:
+		}
+		select {
+		case reserveCalls <- struct{}{}:
+			return reserveSlot
+		default:
+		}
+		// The reserve is spent: wait for the process's, or for a call on
+		// the reserve to end.
 		<-g.own
-		processCalls <- struct{}{}
-		return processSlot
+		select {
+		case processCalls <- struct{}{}:
+			return processSlot
+		case <-freed:
+		}
 	}
 }
 
@@ -116,8 +129,13 @@ func (g callGate) exit(s callSlot) {
 	if s == reserveSlot {
 		<-reserveCalls
 		<-g.own
+		reserveFreed.Fire()
 	} else {
 		<-processCalls
 	}
 	<-g.dev
 }
+
+// reserveFreed fires whenever a call on the reserve ends: the calls
+// waiting with the reserve spent then try it again.
+var reserveFreed signal.Signal

@@ -146,16 +146,16 @@ func TestHungFileHoldsBoundedThreads(t *testing.T) {
 	}
 }
 
-// hangDevices stalls n fresh Files on disk with DeviceCalls readers each,
-// and waits until inside of them are in the hung calls; it returns what
-// waits for the readers.
-func hangDevices(t *testing.T, disk *hangingDisk, n int, inside int64) (wait func()) {
+// hangDevices stalls n fresh Files on disk with readers each, and waits
+// until inside of disk's calls are in the hang; it returns what waits for
+// the readers.
+func hangDevices(t *testing.T, disk *hangingDisk, name string, n, readersEach int, inside int64) (wait func()) {
 	t.Helper()
 	var waits []func()
 	for i := range n {
-		f, data := dataFile(t, "dev"+strconv.Itoa(i), 1<<20)
+		f, data := dataFile(t, name+strconv.Itoa(i), 1<<20)
 		disk.stall(f)
-		waits = append(waits, readers(t, f, data, DeviceCalls))
+		waits = append(waits, readers(t, f, data, readersEach))
 	}
 	nbdtest.Until(t, "the hung calls to get in", func() bool { return disk.inside.Load() >= inside })
 	return func() {
@@ -172,11 +172,11 @@ func hangDevices(t *testing.T, disk *hangingDisk, n int, inside int64) (wait fun
 func TestHungFilesLeaveEveryDeviceACall(t *testing.T) {
 	disk := newHangingDisk(t)
 	before := ReadCallStats()
-	full := hangDevices(t, disk, ProcessCalls/DeviceCalls, ProcessCalls)
+	full := hangDevices(t, disk, "dev", ProcessCalls/DeviceCalls, DeviceCalls, ProcessCalls)
 	// One device more: one of its calls gets in on the reserve, the
 	// others wait for it (or for a slot of the process's).
 	waitsFull := ReadCallStats().Waits
-	more := hangDevices(t, disk, 1, ProcessCalls+1)
+	more := hangDevices(t, disk, "more", 1, DeviceCalls, ProcessCalls+1)
 	nbdtest.Until(t, "the last device's other calls to wait, or more of them to get in", func() bool {
 		return ReadCallStats().Waits-waitsFull == DeviceCalls || disk.inside.Load() > ProcessCalls+1
 	})
@@ -198,23 +198,19 @@ func TestHungFilesLeaveEveryDeviceACall(t *testing.T) {
 	}
 }
 
-// Once the reserve is spent too, every call waits for a slot of the
-// process's, holding no thread, and is answered when the devices answer.
+// Once the reserve is spent too, a call waits, holding no thread, for a
+// slot of the process's or for a call on the reserve to end: devices that
+// held only calls on the reserve answering again let it in while the
+// others still hang.
 func TestHungFilesSpendTheReserve(t *testing.T) {
 	const reserve = 2
 	saved := reserveCalls
 	reserveCalls = make(chan struct{}, reserve)
 	t.Cleanup(func() { reserveCalls = saved })
-	const devices = ProcessCalls/DeviceCalls + 2*reserve
-	disk := newHangingDisk(t)
+	slots, spent := newHangingDisk(t), newHangingDisk(t)
 	before := ReadCallStats()
-	full := hangDevices(t, disk, devices, ProcessCalls+reserve)
-	// Every call that found the process's slots taken waited once,
-	// those that went on to the reserve too.
-	parked := uint64(devices*DeviceCalls - ProcessCalls)
-	nbdtest.Until(t, "the hung devices' other calls to wait", func() bool {
-		return ReadCallStats().Waits-before.Waits == parked
-	})
+	full := hangDevices(t, slots, "slots", ProcessCalls/DeviceCalls, DeviceCalls, ProcessCalls)
+	onReserve := hangDevices(t, spent, "reserve", reserve, 1, reserve)
 
 	other, otherData := dataFile(t, "other", 1<<20)
 	done := make(chan struct{})
@@ -222,21 +218,32 @@ func TestHungFilesSpendTheReserve(t *testing.T) {
 		readers(t, other, otherData, 1)()
 		close(done)
 	}()
+	// Each call that found the process's slots taken waited once.
 	nbdtest.Until(t, "the read of the device that answers to wait", func() bool {
-		return ReadCallStats().Waits-before.Waits == parked+1
+		return ReadCallStats().Waits-before.Waits == reserve+1
 	})
 	select {
 	case <-done:
-		t.Error("a read got in with the process's slots and the reserve all held")
+		t.Fatal("a read got in with the process's slots and the reserve all held")
 	default:
 	}
-	if n := disk.inside.Load(); n != ProcessCalls+reserve {
-		t.Errorf("%d calls in hung devices, want %d", n, ProcessCalls+reserve)
+
+	spent.release()
+	onReserve()
+	nbdtest.Until(t, "the read to get in on the reserve", func() bool {
+		select {
+		case <-done:
+			return true
+		default:
+			return false
+		}
+	})
+	if n := slots.inside.Load(); n != ProcessCalls {
+		t.Errorf("%d calls in the devices still hung, want %d", n, ProcessCalls)
 	}
 
-	disk.release()
+	slots.release()
 	full()
-	<-done
 	if n := ReadCallStats().InProgress; n != before.InProgress {
 		t.Errorf("%d calls in progress after all returned, want %d", n, before.InProgress)
 	}

@@ -2,9 +2,10 @@ package nbdtarget
 
 import (
 	"context"
-	"sync"
 
 	"golang.org/x/sync/semaphore"
+
+	"github.com/nbdmapper/nbdmapper/internal/signal"
 )
 
 // An export's budget (ExportMemory) keeps one export whose device hangs
@@ -27,32 +28,18 @@ func splitMemory(memory int64) (common, reserve int64) {
 
 // memReserve is a server's reserve.
 type memReserve struct {
-	sem *semaphore.Weighted
-
-	mu    sync.Mutex
-	freed chan struct{} // closed, and replaced, whenever a request on the reserve ends
+	sem   *semaphore.Weighted
+	freed signal.Signal // fires whenever a request on the reserve ends
 }
 
-func newMemReserve(n int64) *memReserve {
-	return &memReserve{sem: semaphore.NewWeighted(n), freed: make(chan struct{})}
-}
-
-// changed returns a channel closed when the next request on the reserve
-// ends.
-func (r *memReserve) changed() <-chan struct{} {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.freed
-}
+func newMemReserve(n int64) *memReserve { return &memReserve{sem: semaphore.NewWeighted(n)} }
 
 // release gives back n bytes of a request that was on the reserve, and
-// wakes the requests waiting for Memory to try the reserve again.
+// wakes the requests waiting for the common memory to try the reserve
+// again.
 func (r *memReserve) release(n int64) {
 	r.sem.Release(n)
-	r.mu.Lock()
-	close(r.freed)
-	r.freed = make(chan struct{})
-	r.mu.Unlock()
+	r.freed.Fire()
 }
 
 // exportBudget is an export's memory on one server (ExportMemory) and its
@@ -74,7 +61,7 @@ func newExportBudget(n int64) *exportBudget {
 func (c *conn) awaitMemory(j *job, n int64) error {
 	r := c.srv.reserve
 	for {
-		changed := r.changed() // before trying, so that no release is missed
+		changed := r.freed.C() // before trying, so that no release is missed
 		select {
 		case c.xmem.turn <- struct{}{}:
 			if r.sem.TryAcquire(n) {
