@@ -34,14 +34,6 @@ type memReserve struct {
 
 func newMemReserve(n int64) *memReserve { return &memReserve{sem: semaphore.NewWeighted(n)} }
 
-// release gives back n bytes of a request that was on the reserve, and
-// wakes the requests waiting for the common memory to try the reserve
-// again.
-func (r *memReserve) release(n int64) {
-	r.sem.Release(n)
-	r.freed.Fire()
-}
-
 // exportBudget is an export's memory on one server (ExportMemory) and its
 // turn on the server's reserve.
 type exportBudget struct {

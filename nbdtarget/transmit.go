@@ -658,16 +658,13 @@ func (c *conn) uncharge(j *job) {
 		return
 	}
 	c.srv.counters.memInUse.Add(-j.cost)
-	bs := c.budgets(j)
-	for _, b := range bs[:2] {
+	for _, b := range c.budgets(j) {
 		b.Release(j.cost)
 	}
 	if j.reserved {
-		<-c.xmem.turn // before the reserve wakes its waiters, which may want it
-		c.srv.reserve.release(j.cost)
+		<-c.xmem.turn // before the reserve's waiters wake, which may want it
+		c.srv.reserve.freed.Fire()
 		j.reserved = false
-	} else {
-		c.srv.mem.Release(j.cost)
 	}
 	j.cost = 0
 }
