@@ -44,6 +44,10 @@ func Cache(d Device, off, n int64, buf []byte) error {
 // Cache starts readahead of [off, off+n) into the page cache
 // (posix_fadvise WILLNEED) and returns without waiting for it.
 func (d *File) Cache(off, n int64) error {
-	defer d.exit(d.enter())
+	s, err := d.enter("fadvise")
+	if err != nil {
+		return err
+	}
+	defer d.exit(s)
 	return unix.Fadvise(d.fd, off, n, unix.FADV_WILLNEED)
 }

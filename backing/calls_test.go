@@ -2,6 +2,8 @@ package backing
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -246,5 +248,47 @@ func TestHungFilesSpendTheReserve(t *testing.T) {
 	full()
 	if n := ReadCallStats().InProgress; n != before.InProgress {
 		t.Errorf("%d calls in progress after all returned, want %d", n, before.InProgress)
+	}
+}
+
+// Close leaves the descriptor open to the calls in progress, and the last
+// of them closes it: they use its number directly, and the next file opened
+// gets that number. Closed under them, the sync hung here would have synced
+// nothing (EBADF), or some other file. Close itself returns at once, so
+// that a device whose calls hang does not hang whoever closes it; calls
+// after Close fail with os.ErrClosed.
+func TestCloseLeavesDescriptorToCalls(t *testing.T) {
+	f, _ := dataFile(t, "f", 1<<20)
+	hang := newHangingDisk(t)
+	hang.stall(f)
+	synced := make(chan error, 1)
+	go func() { synced <- f.Sync() }()
+	nbdtest.Until(t, "the sync to hang", func() bool { return hang.inside.Load() == 1 })
+
+	if err := f.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	fd := f.fd
+	link := fmt.Sprintf("/proc/self/fd/%d", fd)
+	if target, err := os.Readlink(link); err != nil || target != f.name {
+		t.Fatalf("with a sync in progress, Close closed the descriptor: %s is %q, %v", link, target, err)
+	}
+	for name, call := range map[string]func() error{
+		"Sync":    f.Sync,
+		"Discard": func() error { return f.Discard(0, 4096) },
+		"ReadAt":  func() error { _, err := f.ReadAt(make([]byte, 1), 0); return err },
+		"Holes":   func() error { _, err := f.Holes(0, 4096); return err },
+		"Close":   f.Close,
+	} {
+		if err := call(); !errors.Is(err, os.ErrClosed) {
+			t.Errorf("%s after Close: %v, want os.ErrClosed", name, err)
+		}
+	}
+	hang.release()
+	if err := nbdtest.Recv(t, synced, "the sync"); err != nil {
+		t.Errorf("the sync in progress at Close: %v", err)
+	}
+	if target, err := os.Readlink(link); err == nil && target == f.name {
+		t.Errorf("the last call out left the descriptor open: %s is still %q", link, target)
 	}
 }

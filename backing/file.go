@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -31,6 +32,12 @@ type File struct {
 	calls  callGate // bounds the system calls in progress (calls.go)
 	dsync  chan int // descriptors of their own for durable writes, free (file_dsync.go)
 	stall  func()   // tests: runs in every call's slot, before the system call
+	// Close and the calls in progress (see enter): inside counts the
+	// calls in progress, closed says Close was called, released that the
+	// descriptors are closed.
+	inside   atomic.Int64
+	closed   atomic.Bool
+	released atomic.Bool
 }
 
 var _ Device = (*File)(nil)
@@ -99,35 +106,91 @@ func (d *File) Name() string   { return d.name }
 func (d *File) ID() ID         { return d.id }
 func (d *File) Size() int64    { return d.size }
 func (d *File) Limits() Limits { return d.limits }
+
+// Close closes the file once no system call of it is in progress: at
+// once if none is, or else as the last one returns. Calls made after Close
+// fail with os.ErrClosed. Calls use the descriptor's number directly
+// (fdatasync, fallocate, splice, lseek), and the kernel hands a closed
+// number out again to the next file opened: closed under one of them, the
+// descriptor could have a hole punched in some other file. Close does not
+// wait, so that a device whose calls hang does not hang its closer too;
+// it then keeps its descriptor until they return. The error of a close
+// left to the last call is lost: Close reports only its own.
 func (d *File) Close() error {
+	if !d.closed.CompareAndSwap(false, true) {
+		return &os.PathError{Op: "close", Path: d.name, Err: os.ErrClosed}
+	}
+	if d.inside.Load() == 0 {
+		return d.release()
+	}
+	return nil
+}
+
+// release closes the descriptors, once: by Close, or by the last call out
+// after it.
+func (d *File) release() error {
+	if !d.released.CompareAndSwap(false, true) {
+		return nil
+	}
 	d.closeDSync()
 	return d.f.Close()
 }
 
 // enter and exit bracket each method's system calls (callGate):
-// defer d.exit(d.enter()).
-func (d *File) enter() callSlot {
+//
+//	s, err := d.enter("op")
+//	if err != nil {
+//		return err
+//	}
+//	defer d.exit(s)
+//
+// enter counts the call in before it looks at closed, and Close sets closed
+// before it looks at the count: so either the call sees closed and fails,
+// or Close sees the call and leaves the descriptor to it.
+func (d *File) enter(op string) (callSlot, error) {
 	s := d.calls.enter()
+	d.inside.Add(1)
+	if d.closed.Load() {
+		d.exit(s)
+		return s, &os.PathError{Op: op, Path: d.name, Err: os.ErrClosed}
+	}
 	if d.stall != nil {
 		d.stall()
 	}
-	return s
+	return s, nil
 }
 
-func (d *File) exit(s callSlot) { d.calls.exit(s) }
+func (d *File) exit(s callSlot) {
+	if d.inside.Add(-1) == 0 && d.closed.Load() {
+		d.release()
+	}
+	d.calls.exit(s)
+}
 
 func (d *File) ReadAt(p []byte, off int64) (int, error) {
-	defer d.exit(d.enter())
+	s, err := d.enter("read")
+	if err != nil {
+		return 0, err
+	}
+	defer d.exit(s)
 	return d.f.ReadAt(p, off)
 }
 
 func (d *File) WriteAt(p []byte, off int64) (int, error) {
-	defer d.exit(d.enter())
+	s, err := d.enter("write")
+	if err != nil {
+		return 0, err
+	}
+	defer d.exit(s)
 	return d.f.WriteAt(p, off)
 }
 
 func (d *File) Sync() error {
-	defer d.exit(d.enter())
+	s, err := d.enter("fdatasync")
+	if err != nil {
+		return err
+	}
+	defer d.exit(s)
 	return ignoringEINTR(func() error { return unix.Fdatasync(d.fd) })
 }
 
@@ -151,8 +214,12 @@ func (d *File) Zero(off, n int64, mayPunch bool) error {
 }
 
 func (d *File) fallocate(mode uint32, off, n int64) error {
-	defer d.exit(d.enter())
-	err := ignoringEINTR(func() error { return unix.Fallocate(d.fd, mode, off, n) })
+	s, err := d.enter("fallocate")
+	if err != nil {
+		return err
+	}
+	defer d.exit(s)
+	err = ignoringEINTR(func() error { return unix.Fallocate(d.fd, mode, off, n) })
 	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOSYS) {
 		return ErrNotSupported
 	}
@@ -163,8 +230,12 @@ func (d *File) fallocate(mode uint32, off, n int64) error {
 // bytes, both 512-aligned.
 func (d *File) blockRange(req uint, off, n int64) error {
 	arg := [2]uint64{uint64(off), uint64(n)}
-	defer d.exit(d.enter())
-	err := ioctlPtr(d.fd, req, unsafe.Pointer(&arg))
+	s, err := d.enter("ioctl")
+	if err != nil {
+		return err
+	}
+	defer d.exit(s)
+	err = ioctlPtr(d.fd, req, unsafe.Pointer(&arg))
 	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOTTY) {
 		return ErrNotSupported
 	}
@@ -177,7 +248,11 @@ func (d *File) Holes(off, n int64) ([]Range, error) {
 	if d.block {
 		return nil, nil
 	}
-	defer d.exit(d.enter())
+	s, err := d.enter("lseek")
+	if err != nil {
+		return nil, err
+	}
+	defer d.exit(s)
 	var holes []Range
 	end := off + n
 	for pos := off; pos < end; {

@@ -34,7 +34,11 @@ import (
 // in the page cache and not durable, and the file's write-back error as
 // consumed.
 func (d *File) WriteAtDSync(p []byte, off int64) (int, error) {
-	defer d.exit(d.enter())
+	s, err := d.enter("pwritev2")
+	if err != nil {
+		return 0, err
+	}
+	defer d.exit(s)
 	fd, err := d.takeDSync()
 	if err != nil {
 		return 0, err
@@ -89,7 +93,7 @@ func (d *File) putDSync(fd int) {
 	}
 }
 
-// closeDSync closes the free descriptors; Close has no calls in progress.
+// closeDSync closes the free descriptors; no call is in progress (release).
 func (d *File) closeDSync() {
 	for {
 		select {

@@ -45,7 +45,11 @@ var (
 // SpliceTo splices the range from the file. Reading past the end is the
 // short read it is for ReadAt.
 func (d *File) SpliceTo(pipe int, off int64, n int) (bool, error) {
-	defer d.exit(d.enter())
+	s, err := d.enter("splice")
+	if err != nil {
+		return true, err
+	}
+	defer d.exit(s)
 	for n > 0 {
 		k, err := unix.Splice(d.fd, &off, pipe, nil, n, unix.SPLICE_F_MOVE)
 		switch {
