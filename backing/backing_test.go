@@ -193,3 +193,88 @@ func TestPoolSchemes(t *testing.T) {
 		t.Errorf("a remote ID prints as %q", got)
 	}
 }
+
+// closeLog is a Recorder that also logs Close, after the calls before it.
+type closeLog struct{ *Recorder }
+
+func (c closeLog) Close() error {
+	c.record(Call{Op: "close"})
+	return c.Recorder.Close()
+}
+
+// String is the log, a call a line.
+func (c closeLog) String() string {
+	var lines []string
+	for _, call := range c.Calls() {
+		lines = append(lines, call.String())
+	}
+	return strings.Join(lines, "\n")
+}
+
+// TestPoolReleases: a device stays open while any Open of it is not
+// released, whichever name it was opened by; the last Release syncs it,
+// closes it, hands it to Forget and takes it out of the pool, whose next
+// Open of the file opens it afresh.
+func TestPoolReleases(t *testing.T) {
+	path := sparseFile(t, 1<<20)
+	link := filepath.Join(t.TempDir(), "link.img")
+	if err := os.Symlink(path, link); err != nil {
+		t.Fatal(err)
+	}
+	var logs []closeLog
+	var forgot []Device
+	p := &Pool{
+		Wrap:   func(d Device) Device { c := closeLog{NewRecorder(d)}; logs = append(logs, c); return c },
+		Forget: func(d Device) { forgot = append(forgot, d) },
+	}
+	defer p.Close()
+	a, err := p.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := p.Open(link); err != nil || b != a {
+		t.Fatalf("the link: %v, same device %v", err, b == a)
+	}
+	if _, err := a.WriteAt([]byte("kept"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Release(a); err != nil {
+		t.Fatal(err)
+	}
+	if got := logs[0].String(); got != "write 0+4" || len(forgot) != 0 || len(p.Devices()) != 1 {
+		t.Fatalf("after one of two releases: calls %q, forgot %d, %d devices; want it open", got, len(forgot), len(p.Devices()))
+	}
+	if err := p.Release(a); err != nil {
+		t.Fatal(err)
+	}
+	if got := logs[0].String(); got != "write 0+4\nsync\nclose 0+0" {
+		t.Errorf("the last release made the calls %q, want a sync and a close", got)
+	}
+	if len(forgot) != 1 || forgot[0] != a || len(p.Devices()) != 0 {
+		t.Errorf("after the last release: forgot %v, %d devices left; want the device forgotten and gone", forgot, len(p.Devices()))
+	}
+	if _, err := a.ReadAt(make([]byte, 4), 0); !errors.Is(err, os.ErrClosed) {
+		t.Errorf("a read of the released device: %v, want os.ErrClosed", err)
+	}
+	if err := p.Release(a); !errors.Is(err, ErrNotPooled) {
+		t.Errorf("one release too many: %v, want ErrNotPooled", err)
+	}
+
+	again, err := p.Open(link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 4)
+	if again == a || len(logs) != 2 {
+		t.Fatalf("the file opened again is the closed device (%v), or was not wrapped afresh (%d wraps)", again == a, len(logs))
+	}
+	if _, err := again.ReadAt(got, 0); err != nil || string(got) != "kept" {
+		t.Fatalf("the file opened again reads %q, %v", got, err)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Release(again); err != nil {
+		t.Errorf("a release after Close: %v, want nothing to do", err)
+	}
+}

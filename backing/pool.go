@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -14,6 +15,18 @@ import (
 // Schemes knows, such as an NBD URI); two names for the same file, block
 // device or remote export return the same Device, so that every engine
 // above sees one Device per disk.
+//
+// A device stays open while anything holds it: each Open takes a
+// reference, and each Release gives one back. The last Release syncs the
+// device and closes it, as `dmsetup remove` lets go of the disks below, so
+// that a server whose devices come and go (create, reload, remove, a
+// --tables directory) holds only what its tables name: no descriptor, no
+// connection to a remote, no hole map of a file no table uses any more.
+//
+//	create a  (linear f 0)      Open f   f: 1 reference, opened
+//	create b  (linear f 8 ...)  Open f   f: 2
+//	remove a                    Release  f: 1
+//	remove b                    Release  f: 0, synced and closed
 type Pool struct {
 	// ReadOnly opens devices for reading only.
 	ReadOnly bool
@@ -31,12 +44,29 @@ type Pool struct {
 	// so that every change of the file goes through it. Devices given to
 	// Add get none: the caller decides.
 	NoHoleMap bool
+	// Forget, if set, is called with each device the last Release closed,
+	// as Wrap returned it, so that state kept per device elsewhere (the
+	// discard engine's) goes with it.
+	Forget func(Device)
 
 	mu     sync.Mutex
-	byID   map[ID]Device
-	byName map[string]Device
-	order  []Device
+	byID   map[ID]*pooled
+	byName map[string]*pooled
+	byDev  map[Device]*pooled
+	order  []*pooled
+	closed bool // Close ran: Release has nothing left to close
 }
+
+// pooled is one open device and what holds it.
+type pooled struct {
+	dev   Device // as Wrap returned it
+	id    ID
+	names []string // the names byName has for it
+	refs  int      // Opens (and Add) not yet released
+}
+
+// ErrNotPooled is returned by Release for a device the pool does not hold.
+var ErrNotPooled = errors.New("device not held by the pool")
 
 // Scheme opens devices that are named by something other than a path: an
 // export of another NBD server, named by its URI. Identify must tell two
@@ -51,56 +81,96 @@ type Scheme interface {
 	Open(name string, readOnly bool) (Device, error)
 }
 
-// Open returns the device name refers to, opening it on first use.
+// Open returns the device name refers to, opening it on first use, and
+// takes a reference to it, which Release gives back.
 func (p *Pool) Open(name string) (Device, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if d, ok := p.byName[name]; ok {
-		return d, nil
+	if e, ok := p.byName[name]; ok {
+		e.refs++
+		return e.dev, nil
 	}
 	id, open, err := p.identify(name)
 	if err != nil {
 		return nil, err
 	}
-	d, ok := p.byID[id]
+	e, ok := p.byID[id]
 	if !ok {
 		inner, err := open()
 		if err != nil {
 			return nil, err
 		}
-		d = inner
+		d := inner
 		if f, ok := inner.(*File); ok && !f.block && !p.NoHoleMap {
 			d = NewHoleMap(f)
 		}
 		if p.Wrap != nil {
 			d = p.Wrap(d)
 		}
-		p.add(id, d)
+		e = p.add(id, d)
 	}
-	if p.byName == nil {
-		p.byName = make(map[string]Device)
-	}
-	p.byName[name] = d
-	return d, nil
+	e.refs++
+	p.name(e, name)
+	return e.dev, nil
 }
 
 // Add puts an already opened device (an in-memory or stacked device) into the
-// pool under name, wrapping it like any other.
+// pool under name, wrapping it like any other. The pool holds it until
+// Close, whatever is released: Add's reference is never given back.
 func (p *Pool) Add(name string, d Device) Device {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if have, ok := p.byID[d.ID()]; ok {
-		return have
+		return have.dev
 	}
 	if p.Wrap != nil {
 		d = p.Wrap(d)
 	}
-	p.add(d.ID(), d)
-	if p.byName == nil {
-		p.byName = make(map[string]Device)
-	}
-	p.byName[name] = d
+	e := p.add(d.ID(), d)
+	e.refs++
+	p.name(e, name)
 	return d
+}
+
+// Release gives back a reference Open took to d. The last one syncs d
+// (through Wrap's device, which may know it is clean), closes it, and
+// hands it to Forget; the pool then opens its name afresh. A sync that
+// fails is reported, and d is closed all the same: nothing holds it now
+// to sync it again. Releasing after Close does nothing.
+func (p *Pool) Release(d Device) error {
+	p.mu.Lock()
+	e := p.byDev[d]
+	if e == nil {
+		closed := p.closed
+		p.mu.Unlock()
+		if closed {
+			return nil
+		}
+		return fmt.Errorf("release %s: %w", d.Name(), ErrNotPooled)
+	}
+	if e.refs--; e.refs > 0 {
+		p.mu.Unlock()
+		return nil
+	}
+	delete(p.byID, e.id)
+	delete(p.byDev, e.dev)
+	for _, n := range e.names {
+		delete(p.byName, n)
+	}
+	p.order = slices.DeleteFunc(p.order, func(o *pooled) bool { return o == e })
+	p.mu.Unlock()
+
+	var errs []error
+	if err := d.Sync(); err != nil {
+		errs = append(errs, fmt.Errorf("sync %s: %w", d.Name(), err))
+	}
+	if err := d.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("close %s: %w", d.Name(), err))
+	}
+	if p.Forget != nil {
+		p.Forget(d)
+	}
+	return errors.Join(errs...)
 }
 
 // identify finds the ID of the device name names and how to open it: by
@@ -129,19 +199,40 @@ func (p *Pool) identify(name string) (ID, func() (Device, error), error) {
 	}, nil
 }
 
-func (p *Pool) add(id ID, d Device) {
+// add records d, opened as id, with no references yet. p.mu must be held.
+func (p *Pool) add(id ID, d Device) *pooled {
 	if p.byID == nil {
-		p.byID = make(map[ID]Device)
+		p.byID = make(map[ID]*pooled)
+		p.byDev = make(map[Device]*pooled)
 	}
-	p.byID[id] = d
-	p.order = append(p.order, d)
+	e := &pooled{dev: d, id: id}
+	p.byID[id] = e
+	p.byDev[d] = e
+	p.order = append(p.order, e)
+	p.closed = false
+	return e
 }
 
-// Devices lists the distinct devices in the order they were opened.
+// name records that name reaches e. p.mu must be held.
+func (p *Pool) name(e *pooled, name string) {
+	if p.byName == nil {
+		p.byName = make(map[string]*pooled)
+	}
+	if _, ok := p.byName[name]; !ok {
+		p.byName[name] = e
+		e.names = append(e.names, name)
+	}
+}
+
+// Devices lists the open devices in the order they were opened.
 func (p *Pool) Devices() []Device {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return append([]Device(nil), p.order...)
+	out := make([]Device, len(p.order))
+	for i, e := range p.order {
+		out[i] = e.dev
+	}
+	return out
 }
 
 // Sync syncs every device in the pool (used at shutdown).
@@ -155,17 +246,18 @@ func (p *Pool) Sync() error {
 	return errors.Join(errs...)
 }
 
-// Close closes every device.
+// Close closes every device, however many references are out.
 func (p *Pool) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var errs []error
-	for _, d := range p.order {
-		if err := d.Close(); err != nil {
+	for _, e := range p.order {
+		if err := e.dev.Close(); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	p.order, p.byID, p.byName = nil, nil, nil
+	p.order, p.byID, p.byName, p.byDev = nil, nil, nil, nil
+	p.closed = true
 	return errors.Join(errs...)
 }
 

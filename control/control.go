@@ -373,6 +373,18 @@ func (o opener) Open(name string) (backing.Device, error) {
 	return d, nil
 }
 
+// Release gives a device back to Open, unless it is one of the server's
+// mapped devices, which remove closes.
+func (o opener) Release(d backing.Device) error {
+	if _, ok := d.(*mapped.Device); ok {
+		return nil
+	}
+	if r, ok := o.s.Open.(table.Releaser); ok {
+		return r.Release(d)
+	}
+	return nil
+}
+
 // stacksOn reports whether d is self or is built, at any depth, on self:
 // whether its table, active or loaded, names /dev/mapper/<self> or a
 // device that does. (Targets hand out the real devices below them, not the

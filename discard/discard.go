@@ -194,6 +194,20 @@ func (e *Engine) device(d backing.Device) *device {
 	return st
 }
 
+// Forget drops what the engine keeps of d (its counters, whether it can
+// discard), once d is closed: a backing.Pool calls it for each device it
+// closes. Nothing of d can be gathering or in flight then, since every trim
+// waits for its calls; if something were, d is kept, so that the trims
+// waiting for it are still sealed and woken.
+func (e *Engine) Forget(d backing.Device) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if st := e.devs[d]; st != nil && st.gathering == nil && len(st.inflight) == 0 {
+		delete(e.devs, d)
+		e.order = slices.DeleteFunc(e.order, func(o *device) bool { return o == st })
+	}
+}
+
 // Discard deallocates the extents (advisory: a device that cannot discard is
 // skipped). It returns when every device call covering them has completed,
 // with the errors of the devices they are on.

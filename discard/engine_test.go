@@ -485,6 +485,35 @@ func TestUnsupportedDetectedOnce(t *testing.T) {
 	}
 }
 
+// TestForget: what the engine keeps of a device (its counters, that it
+// cannot discard) goes when the device is forgotten, and comes back afresh
+// with its next trim.
+func TestForget(t *testing.T) {
+	eng := engine(0, 0)
+	rg := memRig(t, eng, func(i int, d backing.Device) backing.Device {
+		if i == 1 {
+			return notSupported{d}
+		}
+		return d
+	})
+	if err := rg.x.Trim(0, 4*segLen, false); err != nil {
+		t.Fatal(err)
+	}
+	eng.Forget(rg.devs[1])
+	if got := eng.Stats().Devices; len(got) != 1 || got[0].Name != "a" {
+		t.Fatalf("after forgetting b the engine has %+v, want a alone", got)
+	}
+	if err := eng.Discard([]discard.Extent{{Dev: rg.devs[1], Off: 0, Len: segLen}}); err != nil {
+		t.Fatal(err)
+	}
+	if n := rg.recs[1].Count(backing.OpDiscard); n != 2 {
+		t.Errorf("the forgotten device was asked to discard %d times, want twice (that it cannot is forgotten too)", n)
+	}
+	if st := statsOf(t, eng, "b"); st.RangesIn != 1 || st.Unsupported != 1 {
+		t.Errorf("the forgotten device's counters start afresh: %+v, want 1 range in, 1 unsupported", st)
+	}
+}
+
 // failing fails every discard.
 type failing struct{ backing.Device }
 

@@ -3,6 +3,7 @@ package flush
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -58,6 +59,19 @@ func (e *Engine) Track(d backing.Device) backing.Device {
 	e.tracked[w] = w
 	e.order = append(e.order, t)
 	return w
+}
+
+// untrack ends the tracking of t, which its Close does: the engine keeps
+// nothing of a device that is gone. A holder of its wrapper still gets the
+// device's sticky error, if it failed, from a flush of it.
+func (e *Engine) untrack(t *tracked) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if w, ok := e.tracked[t.Device]; ok && e.lookup(w) == t {
+		delete(e.tracked, t.Device)
+		delete(e.tracked, w)
+	}
+	e.order = slices.DeleteFunc(e.order, func(o *tracked) bool { return o == t })
 }
 
 // lookup returns the engine's state for d, or nil if d is not a device this

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -414,6 +415,42 @@ func TestTrackOnce(t *testing.T) {
 		if devStats(e, "m").Dirty {
 			t.Fatalf("sync after %s left the device dirty", name)
 		}
+	}
+}
+
+// Closing a tracked device ends its tracking: the engine keeps nothing of
+// it, and tracking the device again starts afresh. A flush through the
+// closed wrapper (a mapped device keeps the devices whose suspend flush
+// failed, to fail every later flush) still gets its sticky error, without
+// a call on the closed device.
+func TestCloseUntracks(t *testing.T) {
+	e := New()
+	ok, failing := newDisk(e, "ok"), newDisk(e, "failing")
+	ok.write(t, 0, 1)
+	failing.write(t, 0, 1)
+	failing.faulty.FailSync(syscall.EIO)
+	if err := e.Flush([]backing.Device{ok.dev, failing.dev}); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("flush: %v, want EIO", err)
+	}
+	for _, d := range []*disk{ok, failing} {
+		if err := d.dev.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := e.Stats().Devices; len(got) != 0 {
+		t.Fatalf("after Close the engine still tracks %d devices", len(got))
+	}
+	syncs := failing.faulty.Syncs()
+	if err := e.Flush([]backing.Device{ok.dev, failing.dev}); !errors.Is(err, ErrSyncFailed) {
+		t.Errorf("a flush through the closed wrappers: %v, want the failed one's ErrSyncFailed", err)
+	}
+	if n := failing.faulty.Syncs(); n != syncs {
+		t.Errorf("the flush reached the closed device: %d syncs, want %d", n, syncs)
+	}
+	again := e.Track(ok.faulty)
+	if again == ok.dev || len(e.Stats().Devices) != 1 || devStats(e, "ok").Dirty {
+		t.Errorf("tracking the device again: a new wrapper %v, %d tracked, dirty %v; want a new clean one",
+			again != ok.dev, len(e.Stats().Devices), devStats(e, "ok").Dirty)
 	}
 }
 

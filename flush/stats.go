@@ -31,8 +31,9 @@ type DeviceStats struct {
 	Dirty bool
 	// Failed says a sync of the device (or a durable write, or a panic in
 	// either) failed: every flush of it fails from now on with
-	// ErrSyncFailed, until the server restarts. FailedError is the first
-	// failure's error text.
+	// ErrSyncFailed, until the device is closed (no table names it any
+	// more) or the server restarts. FailedError is the first failure's
+	// error text.
 	Failed      bool
 	FailedError string
 	// SyncSeconds is the total time spent in syncs.

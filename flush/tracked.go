@@ -119,6 +119,13 @@ func (t *tracked) Sync() error {
 	return wait()
 }
 
+// Close ends the engine's tracking of the device and closes it: a
+// backing.Pool closes a device once no table holds it.
+func (t *tracked) Close() error {
+	t.e.untrack(t)
+	return t.Device.Close()
+}
+
 // decide says what a flush needing need would do now. t.mu must be held.
 func (t *tracked) decide(need uint64) Entry {
 	e := Entry{Device: t.Name(), Need: need, Synced: t.synced}

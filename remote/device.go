@@ -652,6 +652,12 @@ func (d *Device) Close() error {
 	return nil
 }
 
+func (d *Device) isClosed() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.closed
+}
+
 func (d *Device) Name() string   { return d.name }
 func (d *Device) ID() backing.ID { return d.id }
 func (d *Device) Size() int64    { return d.size }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -59,9 +60,17 @@ func (s *Scheme) Open(name string, readOnly bool) (backing.Device, error) {
 	}
 	d.observe.Store(s.observe.Load())
 	s.mu.Lock()
-	s.devs = append(s.devs, d)
+	s.devs = append(s.prune(), d)
 	s.mu.Unlock()
 	return d, nil
+}
+
+// prune drops the devices closed since (a backing.Pool closes a device no
+// table names any more), so that the list holds the open ones only. s.mu
+// must be held.
+func (s *Scheme) prune() []*Device {
+	s.devs = slices.DeleteFunc(s.devs, (*Device).isClosed)
+	return s.devs
 }
 
 // Observe sets a function called after every request's last reply with
@@ -76,14 +85,14 @@ func (s *Scheme) Observe(fn func(device, op string, d time.Duration)) {
 	}
 }
 
-// Devices lists the remote devices opened, in order.
+// Devices lists the remote devices open, in order of opening.
 func (s *Scheme) Devices() []*Device {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return append([]*Device(nil), s.devs...)
+	return slices.Clone(s.prune())
 }
 
-// Stats returns every opened device's counters, in order of opening.
+// Stats returns every open device's counters, in order of opening.
 func (s *Scheme) Stats() []Stats {
 	devs := s.Devices()
 	out := make([]Stats, len(devs))

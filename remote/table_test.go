@@ -50,6 +50,18 @@ func TestPoolOpensEachRemoteOnce(t *testing.T) {
 	if _, err := pool.Open("nbd+unix:///e"); err == nil || !strings.Contains(err.Error(), "socket") {
 		t.Fatalf("a malformed URI: %v", err)
 	}
+
+	// Released as often as opened, the device closes: its connections
+	// end and the scheme lists it no more.
+	for range spellings {
+		if err := pool.Release(first); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := len(s.Devices()); n != 0 {
+		t.Errorf("the scheme lists %d devices after the last release, want 0", n)
+	}
+	nbdtest.Until(t, "nbdkit's connections to end", func() bool { return k.Disconnects() == k.Connects() })
 }
 
 // remoteRig is a mapped device over a table of remote exports, each a

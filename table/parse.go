@@ -29,6 +29,14 @@ type Opener interface {
 	Open(name string) (backing.Device, error)
 }
 
+// Releaser is an Opener that counts the devices it hands out, as
+// *backing.Pool does: Release gives back what one Open returned. A table
+// releases every device it opened when it is closed, and Parse those of a
+// table that failed, so that a device no table names is closed.
+type Releaser interface {
+	Release(backing.Device) error
+}
+
 // Parse reads a table in dmsetup syntax:
 //
 //	# comment
@@ -37,8 +45,9 @@ type Opener interface {
 // in 512-byte sectors. Lines must start at 0 and follow each other without a
 // gap or overlap. Fields are separated by spaces or tabs; a field that starts
 // with '#' starts a comment. Devices are opened through open, each name once
-// per Parse call; Parse does not close them on error (the Opener owns them),
-// but it does close the targets it built before the failing line.
+// per Parse call. The table holds them until it is closed; on error Parse
+// closes the targets it built before the failing line and, if open is a
+// Releaser, releases the devices it opened.
 //
 // Every error is an *Error naming file and 1-based line, wrapping one of the
 // sentinels in errors.go.
@@ -66,6 +75,7 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 			closeTargets(c)
 		}
 		closeTargets(lines)
+		devs.release()
 		return nil, &Error{File: file, Line: lineNo, Err: err}
 	}
 	for sc.Scan() {
@@ -143,7 +153,7 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 		return fail(err)
 	}
 	if count == 0 {
-		return nil, &Error{File: file, Err: ErrEmpty}
+		return nil, &Error{File: file, Err: ErrEmpty} // nothing opened
 	}
 	if len(done) > 0 {
 		all := make([]Line, 0, count)
@@ -152,7 +162,9 @@ func Parse(file string, r io.Reader, open Opener) (*Table, error) {
 		}
 		lines = append(all, lines...)
 	}
-	return newTable(file, lines), nil
+	t := newTable(file, lines)
+	t.held, t.release = devs.held, devs.open
+	return t, nil
 }
 
 // spaces marks the bytes that separate fields: space, tab, and the
@@ -228,6 +240,7 @@ func parseUint32(what, s string) (uint32, error) {
 type devCache struct {
 	open Opener
 	m    map[string]devEntry
+	held []backing.Device // what each successful Open returned
 }
 
 type devEntry struct {
@@ -244,8 +257,30 @@ func (c *devCache) lookup(name string) devEntry {
 	}
 	e := devEntry{name: strings.Clone(name)}
 	e.dev, e.err = openDev(c.open, e.name)
+	if e.err == nil {
+		c.held = append(c.held, e.dev)
+	}
 	c.m[e.name] = e
 	return e
+}
+
+// release gives back what the cache opened (a failed Parse's devices).
+func (c *devCache) release() {
+	release(c.open, c.held)
+	c.held = nil
+}
+
+// release gives each of devs back to open, if open counts them.
+func release(open Opener, devs []backing.Device) error {
+	r, ok := open.(Releaser)
+	if !ok {
+		return nil
+	}
+	var errs []error
+	for _, d := range devs {
+		errs = append(errs, r.Release(d))
+	}
+	return errors.Join(errs...)
 }
 
 func (c *devCache) Open(name string) (backing.Device, error) {

@@ -131,6 +131,17 @@ func (s *setOpener) parse(d Def) (*Table, error) {
 	return Parse(d.File, r, s)
 }
 
+// Release gives a device back to the wrapped Opener, unless it is one of
+// the set's own.
+func (s *setOpener) Release(d backing.Device) error {
+	for _, e := range s.byName {
+		if e.dev == d {
+			return nil
+		}
+	}
+	return release(s.open, []backing.Device{d})
+}
+
 // Open resolves /dev/mapper/<name> against the set, parsing that device's
 // table first if needed; other names go to the wrapped Opener.
 func (s *setOpener) Open(name string) (backing.Device, error) {
@@ -218,8 +229,15 @@ func (t *Table) Deactivate() {
 
 // Close releases what the table's targets hold beyond their devices
 // (a snapshot's registration with its origin and its claim on the COW
-// device). The devices themselves belong to the Opener.
-func (t *Table) Close() error { return closeTargets(t.Lines) }
+// device), and then the devices Parse opened for it, if its Opener is a
+// Releaser: the last table to let go of a device closes it. Nothing may
+// run on the table after, and Close is called once.
+func (t *Table) Close() error {
+	err := closeTargets(t.Lines)
+	held := t.held
+	t.held = nil
+	return errors.Join(err, release(t.release, held))
+}
 
 func closeTargets(lines []Line) error {
 	var errs []error

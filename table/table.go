@@ -91,6 +91,10 @@ type Table struct {
 	Lines []Line
 	size  int64
 	ends  []int64 // ends[i] is the byte just past Lines[i], for Map's search
+	// held are the devices Parse opened for the table through release,
+	// given back by Close.
+	held    []backing.Device
+	release Opener
 }
 
 // New builds a table from contiguous lines. Parse validates as it reads;

@@ -212,7 +212,7 @@ func runServe(args []string) error {
 	snapshot.Configure(snapshot.Config{MergeRate: int64(mergeRate), OnPanic: srv.Panicked, Logger: log})
 	df.apply(discarder)
 	remotes := rf.scheme(log, srv.Panicked)
-	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track, Schemes: []backing.Scheme{remotes}}
+	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track, Forget: discarder.Forget, Schemes: []backing.Scheme{remotes}}
 	defer pool.Close()
 
 	defs, err := exportDefs(specs, sf.tables)

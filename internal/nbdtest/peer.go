@@ -174,3 +174,9 @@ func (p *Peer) Connects() int {
 	b, _ := os.ReadFile(p.Log)
 	return bytes.Count(b, []byte(" Connect export="))
 }
+
+// Disconnects is how many connections to the server have ended.
+func (p *Peer) Disconnects() int {
+	b, _ := os.ReadFile(p.Log)
+	return bytes.Count(b, []byte(" Disconnect transactions="))
+}
