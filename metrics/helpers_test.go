@@ -80,7 +80,7 @@ func startRigWeb(t *testing.T, webConfig string) *rig {
 	r.flush = flush.New()
 	r.discard = discard.New()
 	remotes := &remote.Scheme{}
-	pool := &backing.Pool{Schemes: []backing.Scheme{remotes}, Wrap: func(d backing.Device) backing.Device {
+	pool := &backing.Pool{Schemes: []backing.Scheme{remotes}, Forget: r.discard.Forget, Wrap: func(d backing.Device) backing.Device {
 		rec := backing.NewRecorder(d)
 		r.recorders[d.Name()] = rec
 		return r.flush.Track(rec)

@@ -57,18 +57,12 @@ type Metrics struct {
 
 	reg *prometheus.Registry
 
-	requestSeconds *prometheus.HistogramVec
-	syncSeconds    *prometheus.HistogramVec
-	discardSeconds *prometheus.HistogramVec
-	remoteSeconds  *prometheus.HistogramVec
-
-	// Observers for every label combination known at New, so that a hook
-	// on the I/O path does a map read instead of hashing label values. The
-	// maps are never written after New.
-	requestObs map[[2]string]prometheus.Observer
-	syncObs    map[string]prometheus.Observer
-	discardObs map[[2]string]prometheus.Observer
-	remoteObs  map[[2]string]prometheus.Observer
+	// The histograms fed by the Observe hooks; each deletes, at a scrape,
+	// the series of exports or devices that are gone.
+	requestSeconds *histograms // export, op
+	syncSeconds    *histograms // device
+	discardSeconds *histograms // device, op
+	remoteSeconds  *histograms // device, op
 }
 
 // Latency buckets for the classic histograms, 50µs to 10s: a page-cache
@@ -99,30 +93,9 @@ func histogramOpts(name, help string) prometheus.HistogramOpts {
 // be called before they serve. Every label combination the configuration
 // implies is created with value 0.
 func New(cfg Config) *Metrics {
-	m := &Metrics{
-		reg: prometheus.NewRegistry(),
-		requestSeconds: prometheus.NewHistogramVec(histogramOpts(
-			"nbdmapper_request_duration_seconds",
-			"Time from decoding an NBD request to queueing its reply, by export and op."),
-			[]string{"export", "op"}),
-		syncSeconds: prometheus.NewHistogramVec(histogramOpts(
-			"nbdmapper_device_sync_duration_seconds",
-			"Time one sync (fdatasync) of a backing device took."),
-			[]string{"device"}),
-		discardSeconds: prometheus.NewHistogramVec(histogramOpts(
-			"nbdmapper_device_discard_duration_seconds",
-			"Time one discard or zeroing call on a backing device took, by op (discard, zero)."),
-			[]string{"device", "op"}),
-		remoteSeconds: prometheus.NewHistogramVec(histogramOpts(
-			"nbdmapper_remote_round_trip_seconds",
-			"Time from sending a request to a remote export to its last reply, by remote device and op."),
-			[]string{"device", "op"}),
-		requestObs: make(map[[2]string]prometheus.Observer),
-		remoteObs:  make(map[[2]string]prometheus.Observer),
-		syncObs:    make(map[string]prometheus.Observer),
-		discardObs: make(map[[2]string]prometheus.Observer),
-	}
+	m := &Metrics{reg: prometheus.NewRegistry()}
 	devices := deviceNames(cfg)
+	live := func() map[string]bool { return liveDevices(cfg) }
 	m.reg.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
@@ -130,11 +103,16 @@ func New(cfg Config) *Metrics {
 	)
 
 	if s := cfg.Server; s != nil {
+		m.requestSeconds = newHistograms(histogramOpts(
+			"nbdmapper_request_duration_seconds",
+			"Time from decoding an NBD request to queueing its reply, by export and op."),
+			[]string{"export", "op"}, func() map[string]bool {
+				return names(s.ExportList(), func(x *nbdtarget.Export) string { return x.Name })
+			})
 		m.reg.MustRegister(m.requestSeconds)
 		for _, x := range s.ExportList() {
 			for _, op := range requestOps() {
-				k := [2]string{x.Name, op}
-				m.requestObs[k] = m.requestSeconds.WithLabelValues(k[0], k[1])
+				m.requestSeconds.observer(key{x.Name, op})
 			}
 		}
 		prev := s.Observe
@@ -146,9 +124,13 @@ func New(cfg Config) *Metrics {
 		}
 	}
 	if e := cfg.Flush; e != nil {
+		m.syncSeconds = newHistograms(histogramOpts(
+			"nbdmapper_device_sync_duration_seconds",
+			"Time one sync (fdatasync) of a backing device took."),
+			[]string{"device"}, live)
 		m.reg.MustRegister(m.syncSeconds)
 		for _, d := range devices {
-			m.syncObs[d] = m.syncSeconds.WithLabelValues(d)
+			m.syncSeconds.observer(key{d})
 		}
 		prev := e.Observe
 		e.Observe = func(device string, d time.Duration) {
@@ -159,11 +141,14 @@ func New(cfg Config) *Metrics {
 		}
 	}
 	if e := cfg.Discard; e != nil {
+		m.discardSeconds = newHistograms(histogramOpts(
+			"nbdmapper_device_discard_duration_seconds",
+			"Time one discard or zeroing call on a backing device took, by op (discard, zero)."),
+			[]string{"device", "op"}, live)
 		m.reg.MustRegister(m.discardSeconds)
 		for _, d := range devices {
 			for _, op := range discardOps {
-				k := [2]string{d, op}
-				m.discardObs[k] = m.discardSeconds.WithLabelValues(d, op)
+				m.discardSeconds.observer(key{d, op})
 			}
 		}
 		prev := e.Observe
@@ -175,16 +160,46 @@ func New(cfg Config) *Metrics {
 		}
 	}
 	if sc := cfg.Remotes; sc != nil {
+		m.remoteSeconds = newHistograms(histogramOpts(
+			"nbdmapper_remote_round_trip_seconds",
+			"Time from sending a request to a remote export to its last reply, by remote device and op."),
+			[]string{"device", "op"}, func() map[string]bool { return names(sc.Devices(), (*remote.Device).Name) })
 		m.reg.MustRegister(m.remoteSeconds)
 		for _, d := range sc.Devices() {
 			for _, op := range remote.Ops() {
-				k := [2]string{d.Name(), op}
-				m.remoteObs[k] = m.remoteSeconds.WithLabelValues(k[0], k[1])
+				m.remoteSeconds.observer(key{d.Name(), op})
 			}
 		}
 		sc.Observe(m.ObserveRemote)
 	}
 	return m
+}
+
+// liveDevices names the backing devices open now: those the tables use,
+// and those the engines know of (a table's devices are open until it is
+// closed; the engines forget a device once it is).
+func liveDevices(cfg Config) map[string]bool {
+	set := names(deviceNames(cfg), func(n string) string { return n })
+	if e := cfg.Flush; e != nil {
+		for _, d := range e.Stats().Devices {
+			set[d.Name] = true
+		}
+	}
+	if e := cfg.Discard; e != nil {
+		for _, d := range e.Stats().Devices {
+			set[d.Name] = true
+		}
+	}
+	return set
+}
+
+// names is the set of the names of xs.
+func names[T any](xs []T, name func(T) string) map[string]bool {
+	set := make(map[string]bool, len(xs))
+	for _, x := range xs {
+		set[name(x)] = true
+	}
+	return set
 }
 
 // requestOps are the op label values of the request histogram: every op
@@ -235,41 +250,25 @@ func buildVersion(v string) string {
 // server's Observe hook. bytes and errno are counted by the server's own
 // Stats; only the duration is recorded here.
 func (m *Metrics) ObserveRequest(export, op string, bytes int64, errno uint32, d time.Duration) {
-	o, ok := m.requestObs[[2]string{export, op}]
-	if !ok {
-		o = m.requestSeconds.WithLabelValues(export, op)
-	}
-	o.Observe(d.Seconds())
+	m.requestSeconds.observer(key{export, op}).Observe(d.Seconds())
 }
 
 // ObserveSync records one sync of a backing device; it is the flush
 // engine's Observe hook.
 func (m *Metrics) ObserveSync(device string, d time.Duration) {
-	o, ok := m.syncObs[device]
-	if !ok {
-		o = m.syncSeconds.WithLabelValues(device)
-	}
-	o.Observe(d.Seconds())
+	m.syncSeconds.observer(key{device}).Observe(d.Seconds())
 }
 
 // ObserveDiscard records one discard or zeroing call on a backing device;
 // it is the discard engine's Observe hook.
 func (m *Metrics) ObserveDiscard(device, op string, d time.Duration) {
-	o, ok := m.discardObs[[2]string{device, op}]
-	if !ok {
-		o = m.discardSeconds.WithLabelValues(device, op)
-	}
-	o.Observe(d.Seconds())
+	m.discardSeconds.observer(key{device, op}).Observe(d.Seconds())
 }
 
 // ObserveRemote records one request's round trip to a remote export; it
 // is the remote scheme's Observe hook.
 func (m *Metrics) ObserveRemote(device, op string, d time.Duration) {
-	o, ok := m.remoteObs[[2]string{device, op}]
-	if !ok {
-		o = m.remoteSeconds.WithLabelValues(device, op)
-	}
-	o.Observe(d.Seconds())
+	m.remoteSeconds.observer(key{device, op}).Observe(d.Seconds())
 }
 
 // Gatherer is the registry, for tests and for embedding in another handler.

@@ -354,3 +354,78 @@ func TestRemoteCounters(t *testing.T) {
 		{"nbdmapper_remote_requests_in_flight", dev, 0},
 	})
 }
+
+// TestGoneSeriesDeleted: the histograms of an export that was removed, and
+// of a backing device no table holds any more (the pool closed it), go at
+// the next scrape; a server whose exports and devices come and go would
+// otherwise keep a histogram of every one it ever had. An export made
+// again under the same name starts afresh.
+func TestGoneSeriesDeleted(t *testing.T) {
+	r := startRig(t)
+	runWorkload(t, r)
+	r.nbdsh(t, "far", "h.pwrite(b'z' * 4096, 0)\nh.flush()")
+	remoteDev := r.remote
+	series := func() (request, sync, remote map[string]bool) {
+		fams := gather(t, r.metrics)
+		label := func(name, l string) map[string]bool {
+			set := make(map[string]bool)
+			if mf := fams[name]; mf != nil {
+				for _, m := range mf.GetMetric() {
+					for _, lp := range m.GetLabel() {
+						if lp.GetName() == l {
+							set[lp.GetValue()] = true
+						}
+					}
+				}
+			}
+			return set
+		}
+		return label("nbdmapper_request_duration_seconds", "export"),
+			label("nbdmapper_device_sync_duration_seconds", "device"),
+			label("nbdmapper_remote_round_trip_seconds", "device")
+	}
+	request, sync, rem := series()
+	if !request["small"] || !request["far"] || !sync[r.disks[1]] || !rem[remoteDev] {
+		t.Fatalf("before: exports %v, synced devices %v, remotes %v", request, sync, rem)
+	}
+	remove := func(name string) *nbdtarget.Export {
+		x, err := r.server.RemoveExport(name, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := x.Dev.Close(); err != nil {
+			t.Fatal(err)
+		}
+		return x
+	}
+	small := remove("small")
+	remove("far")
+	request, sync, rem = series()
+	if request["small"] || request["far"] || !request["main"] {
+		t.Errorf("after removing small and far, the request histograms are of %v, want main's only", request)
+	}
+	if len(rem) != 0 {
+		t.Errorf("after removing far, its remote's histograms are still there: %v", rem)
+	}
+	if !sync[r.disks[0]] || !sync[r.disks[1]] {
+		t.Errorf("main still holds both disks, but their sync histograms are %v", sync)
+	}
+	remove("main")
+	if _, sync, _ = series(); len(sync) != 0 {
+		t.Errorf("with every export gone, sync histograms of %v are left", sync)
+	}
+
+	// small again: a new device over disk 0, under the old name.
+	tb, err := table.Parse("small.table", strings.NewReader(small.Dev.Table().String()), &backing.Pool{Wrap: r.flush.Track})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.server.AddExport(&nbdtarget.Export{Name: "small", Dev: mapped.New("small", tb, r.flush, r.discard)}); err != nil {
+		t.Fatal(err)
+	}
+	r.nbdsh(t, "small", "h.pwrite(b'y' * 4096, 0)")
+	m := find(gather(t, r.metrics), "nbdmapper_request_duration_seconds", map[string]string{"export": "small", "op": "write"})
+	if m == nil || m.GetHistogram().GetSampleCount() != 1 {
+		t.Errorf("small made again: its write histogram is %v, want one write", m)
+	}
+}
