@@ -2,12 +2,14 @@ package backing
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/internal/sparse"
 )
 
@@ -276,5 +278,35 @@ func TestPoolReleases(t *testing.T) {
 	}
 	if err := p.Release(again); err != nil {
 		t.Errorf("a release after Close: %v, want nothing to do", err)
+	}
+}
+
+// hungSync is a device whose Sync blocks until release is closed.
+type hungSync struct {
+	Device
+	release chan struct{}
+}
+
+func (h hungSync) Sync() error { <-h.release; return nil }
+
+// TestPoolSyncBounded: the pool syncs its devices at once, so that one
+// whose sync hangs holds up no other's, and Sync returns when ctx ends,
+// naming the device whose sync has not returned.
+func TestPoolSyncBounded(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	p := &Pool{}
+	defer p.Close()
+	p.Add("hung", hungSync{NewMem("hung", 4096), release})
+	ok := NewRecorder(NewMem("ok", 4096))
+	p.Add("ok", ok)
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { errc <- p.Sync(ctx) }()
+	nbdtest.Until(t, "the other device's sync", func() bool { return ok.Count(OpSync) == 1 })
+	cancel()
+	err := nbdtest.Recv(t, errc, "Sync to return once ctx is done")
+	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "syncs of hung not returned") {
+		t.Errorf("Sync with a hung device: %v, want it named and context.Canceled", err)
 	}
 }

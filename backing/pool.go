@@ -1,10 +1,12 @@
 package backing
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -235,12 +237,38 @@ func (p *Pool) Devices() []Device {
 	return out
 }
 
-// Sync syncs every device in the pool (used at shutdown).
-func (p *Pool) Sync() error {
-	var errs []error
-	for _, d := range p.Devices() {
-		if err := d.Sync(); err != nil {
-			errs = append(errs, fmt.Errorf("sync %s: %w", d.Name(), err))
+// Sync syncs every device in the pool at once (at shutdown), so that a
+// device whose sync hangs holds up no other's. It returns once every sync
+// has, or once ctx is done: its error then names the devices whose syncs
+// have not returned, which go on in the background.
+func (p *Pool) Sync(ctx context.Context) error {
+	devs := p.Devices()
+	errs := make([]error, len(devs))
+	done := make(chan int, len(devs))
+	for i, d := range devs {
+		go func() {
+			if err := d.Sync(); err != nil {
+				errs[i] = fmt.Errorf("sync %s: %w", d.Name(), err)
+			}
+			done <- i
+		}()
+	}
+	returned := make([]bool, len(devs))
+	for range devs {
+		select {
+		case i := <-done:
+			returned[i] = true
+		case <-ctx.Done():
+			var late []string
+			var failed []error // of those that returned: the others still write theirs
+			for i, d := range devs {
+				if returned[i] {
+					failed = append(failed, errs[i])
+				} else {
+					late = append(late, d.Name())
+				}
+			}
+			return errors.Join(append(failed, fmt.Errorf("syncs of %s not returned: %w", strings.Join(late, ", "), ctx.Err()))...)
 		}
 	}
 	return errors.Join(errs...)

@@ -226,7 +226,7 @@ func setup(t *testing.T, w workload, files map[string]string) map[string][]byte 
 			d.Close()
 		}
 	}
-	if err := pool.Sync(); err != nil {
+	if err := pool.Sync(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	pool.Close()
@@ -579,7 +579,7 @@ func copyEveryChunkOut(t *testing.T, files map[string]string) {
 	for _, d := range devs {
 		d.Close()
 	}
-	if err := pool.Sync(); err != nil {
+	if err := pool.Sync(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 }

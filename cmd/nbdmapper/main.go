@@ -37,6 +37,7 @@ const usage = `usage:
                   [--allow EXPORT=ID,... | --allow-ro EXPORT=ID,...]
                   [--memory BYTES] [--max-connections N] [--handshake-timeout D] [--reply-timeout D]
                   [--description NAME=TEXT] [--control PATH|off] [--tables DIR] [--procs N|auto] [--merge-rate BYTES]
+                  [--shutdown-timeout D]
                   [--remote-connections N] [--remote-timeout D] [--remote-backoff-max D] [--remote-queue-depth N]
                   [NAME=TABLE_FILE ...]
   nbdmapper create NAME TABLE_FILE | remove [--force] NAME   [--control PATH]
@@ -143,6 +144,7 @@ type serveFlags struct {
 	metricsWeb     string
 	socketMode     socketMode
 	control        string
+	stopTimeout    time.Duration
 }
 
 func runServe(args []string) error {
@@ -162,6 +164,7 @@ func runServe(args []string) error {
 	fs.StringVar(&sf.flushBaseline, "flush-baseline", "", "benchmark only: 'per-segment' syncs once per table line, as dm did before Linux 6.11")
 	fs.StringVar(&sf.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file")
 	fs.StringVar(&sf.tables, "tables", "", "serve every NAME.table in DIR as export NAME")
+	fs.DurationVar(&sf.stopTimeout, "shutdown-timeout", 30*time.Second, "on SIGINT or SIGTERM, wait this long for the requests in flight, then as long for the devices' syncs; exit 1 naming the devices whose syncs did not return")
 	fs.StringVar(&sf.control, "control", defaultControl, "the control socket for reload, suspend, resume, ... ('off' disables)")
 	var df discardFlags
 	df.register(fs)
@@ -213,7 +216,14 @@ func runServe(args []string) error {
 	df.apply(discarder)
 	remotes := rf.scheme(log, srv.Panicked)
 	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track, Forget: discarder.Forget, Schemes: []backing.Scheme{remotes}}
-	defer pool.Close()
+	// Closing the devices syncs them; after a shutdown sync that did not
+	// return, the exit closes them instead, without waiting for it again.
+	closeDevices := true
+	defer func() {
+		if closeDevices {
+			pool.Close()
+		}
+	}()
 
 	defs, err := exportDefs(specs, sf.tables)
 	if err != nil {
@@ -231,8 +241,10 @@ func runServe(args []string) error {
 	// The devices served at the end, after any create and remove, are
 	// closed at the end.
 	defer func() {
-		for _, x := range srv.ExportList() {
-			x.Dev.Close()
+		if closeDevices {
+			for _, x := range srv.ExportList() {
+				x.Dev.Close()
+			}
 		}
 	}()
 	exports := make([]*nbdtarget.Export, len(devs))
@@ -308,16 +320,20 @@ func runServe(args []string) error {
 		log.Error("listener failed: shutting down", "err", failed)
 	}
 	systemd.stopping()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), sf.stopTimeout)
 	defer cancel()
 	if err := srv.Shutdown(ctx); err != nil {
 		log.Error("shutdown", "err", err)
 	}
-	if err := pool.Sync(); err != nil {
-		return err
-	}
+	ctx, cancel = context.WithTimeout(context.Background(), sf.stopTimeout)
+	defer cancel()
+	synced := pool.Sync(ctx)
+	closeDevices = !errors.Is(synced, context.DeadlineExceeded)
 	logStats(log, flusher, discarder)
 	logRemoteStats(log, remotes)
+	if synced != nil {
+		return synced
+	}
 	return failed
 }
 

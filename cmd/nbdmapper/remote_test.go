@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
@@ -156,5 +157,35 @@ func checkFails(t *testing.T, dir string, args []string, want string) {
 	}
 	if !regexp.MustCompile(want).Match(out) {
 		t.Fatalf("%v printed %q, want %q", args, out, want)
+	}
+}
+
+// At SIGTERM every device is synced at once, and a sync that does not
+// return within --shutdown-timeout makes serve exit 1 naming the device,
+// instead of waiting for it for good (systemd would kill it then, and say
+// nothing of which device): here a remote that stopped answering, which
+// holds acknowledged writes, beside a local file, which is synced.
+func TestShutdownBoundsHungSync(t *testing.T) {
+	dir := nbdtest.ShortDir(t)
+	local := sparse.Create(t, filepath.Join(dir, "l.img"), 4<<20)
+	peer := nbdtest.StartNbdkit(t, dir, "r", nbdtest.PeerOptions{}, "file", sparse.Create(t, filepath.Join(dir, "r.img"), 4<<20))
+	writeFile(t, filepath.Join(dir, "t.table"), fmt.Sprintf("0 8192 linear %s 0\n8192 8192 linear %s 0\n", local, peer.URI("")))
+	s := nbdtest.Start(t, bin, dir, "--metrics", "off", "--control", "off", "--remote-timeout", "1h", "--shutdown-timeout", "1s", "t=t.table")
+	nbdsh(t, s.URI("t"), "h.pwrite(b'l' * 4096, 0)\nh.pwrite(b'r' * 4096, 4 << 20)")
+	peer.Pause()
+	s.Signal(syscall.SIGTERM)
+	exited := make(chan error, 1)
+	go func() { exited <- s.Wait() }()
+	err := nbdtest.Recv(t, exited, "serve to exit after SIGTERM")
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+		t.Fatalf("serve after SIGTERM with a remote that does not answer: %v, want exit status 1\n%s", err, s.Stderr())
+	}
+	logs := s.Stderr()
+	if !strings.Contains(logs, "syncs of "+peer.URI("")+" not returned") {
+		t.Errorf("the exit does not name the remote whose sync did not return:\n%s", logs)
+	}
+	if !regexp.MustCompile(`msg="flush device" device=` + regexp.QuoteMeta(local) + ` requested=\d+ syncs=1 .* dirty=false`).MatchString(logs) {
+		t.Errorf("the local file was not synced beside the hung remote:\n%s", logs)
 	}
 }
