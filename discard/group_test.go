@@ -363,6 +363,11 @@ func releaseHeld(t *testing.T, gate *gateDev, held <-chan error, what string) {
 // every one (a failing disk whose discards hang) or only the first (a
 // healthy device that is busy). Each discard that reaches it is announced
 // on entered. The test's end releases what is still held.
+//
+// A discard is counted before it is announced: whatever a test starts once
+// it has received the first announcement comes second. Announced first, the
+// first discard could be preempted between the two while the test's next
+// discard reached the gate, counted first and was held in its place.
 type discardGate struct {
 	entered chan struct{}
 	release chan struct{}
@@ -372,8 +377,9 @@ type discardGate struct {
 func gateDiscards(t *testing.T, f *backing.Faulty, all bool) *discardGate {
 	g := &discardGate{entered: make(chan struct{}, 64), release: make(chan struct{})}
 	f.Inject(backing.OpDiscard, func() error {
+		hold := g.n.Add(1) == 1 || all
 		g.entered <- struct{}{}
-		if g.n.Add(1) == 1 || all {
+		if hold {
 			<-g.release
 		}
 		return nil
