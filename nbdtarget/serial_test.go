@@ -33,6 +33,7 @@ type serialFix struct {
 	t      *testing.T
 	srv    *Server
 	addr   string     // the server's socket
+	conn   *conn      // the server's connection to c
 	rs     *rawSocket // the server's end of c
 	gate   *syncGate
 	c      *rawClient
@@ -71,7 +72,7 @@ func newSerialFix(t *testing.T) *serialFix {
 	var first sync.Once // a test may open other connections after this one
 	srv.beforeTransmit = func(c *conn) {
 		first.Do(func() {
-			f.rs = c.sock.(*rawSocket)
+			f.conn, f.rs = c, c.sock.(*rawSocket)
 			f.waited = f.rs.waits.Load()
 			close(transmitting)
 		})
@@ -272,6 +273,60 @@ func TestSerialModeLateRead(t *testing.T) {
 		}
 		f.lingers(t, false)
 	})
+}
+
+// A serial request's hand-over is its own. Once a serial write has
+// handed the read token on, another goroutine reads the requests after it;
+// when one of those (a flush, here held in its device) runs serially in
+// turn and arms its own hand-over, the write's goroutine, back from its
+// reply, must wait for the token. With one hand-over timer for the
+// connection, its Stop stopped the flush's timer, took that for its own
+// token not having been handed on, and read the stream beside the flush's
+// goroutine, which held the token: two readers of one stream (the race
+// detector caught it in the crash test, whose snapshot writes are slow).
+func TestSerialHandOverIsTheRequests(t *testing.T) {
+	f := newSerialFix(t)
+	f.srv.serialHandOver.Store(int64(time.Hour))
+	f.threeOneAtATime(t, 1)
+
+	// A serial write whose hand-over fires at once; its goroutine stops
+	// after the reply, before it looks at its hand-over. (Armed once the
+	// server reads on, past the last request's reply.)
+	nbdtest.Until(t, "the server to wait for the next request", func() bool { return f.waits() > f.waited })
+	f.srv.serialHandOver.Store(1)
+	f.pause.Store(true)
+	f.answered(t, f.send(cmdWrite))
+	nbdtest.Recv(t, f.paused, "the write's goroutine to stop after its reply")
+	nbdtest.Until(t, "the write to hand reading on", func() bool { return f.waits() > f.waited })
+	f.srv.serialHandOver.Store(int64(time.Hour))
+
+	// Three more one at a time: the third, a flush held in its device,
+	// runs serially on the goroutine the token went to.
+	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, cmdWrite)
+	f.gate.armed.Store(true)
+	flush := f.send(cmdFlush)
+	nbdtest.Recv(t, f.gate.entered, "the flush to reach its device")
+	if n := f.serialRequests(); n != 3 {
+		t.Fatalf("%d serial requests, want 3: the first write, the handed-over one, the flush", n)
+	}
+
+	// The write's goroutine goes on: it must wait for the token, which
+	// the flush holds, rather than read (and find the socket empty). Other
+	// goroutines of the pool may be waiting for the token already; while
+	// the flush is held, only the write's can join them.
+	waits, waiting := f.waits(), f.conn.waiting.Load()
+	f.resume()
+	nbdtest.Until(t, "the write's goroutine to wait for the token, or to read", func() bool {
+		return f.conn.waiting.Load() > waiting || f.waits() > waits
+	})
+	if f.waits() > waits {
+		t.Fatal("the write's goroutine read the stream while the flush held the read token")
+	}
+	f.open()
+	f.answered(t, flush)
+	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, cmdFlush)
 }
 
 // Serial mode needs both: a client that waits for each reply, and flushes.

@@ -88,7 +88,6 @@ type conn struct {
 	bulkN      int          // the bulk score (see bulk); under rmu
 	bulky      bool         // writing in bulk: counted twice in Server.OnActive (twice); under rmu
 	outside    bool         // the socket is out of the poller: counted twice too; under rmu
-	handOver   *time.Timer  // hands the token on for a long serial request
 	replyFirst atomic.Bool  // nothing of the next request had come when the last serial reply left
 	pool       sync.WaitGroup
 	mem        *semaphore.Weighted // MaxInFlightBytes
@@ -229,16 +228,22 @@ func (c *conn) work() {
 	defer c.pool.Done()
 	held := false
 	for {
-		j, serial := c.next(held)
+		j, handOver := c.next(held)
 		if j == nil {
 			return
 		}
+		serial := handOver != nil
 		c.handle(j, serial)
 		if serial && c.srv.afterSerialReply != nil {
 			c.srv.afterSerialReply()
 		}
-		// Still ours unless handOver has fired and given it up.
-		held = serial && c.handOver.Stop()
+		// Still ours unless this request's hand-over has fired and given
+		// it up. The timer is the request's own: once one has fired,
+		// another goroutine may take the token and arm one for a serial
+		// request of its own, which a timer shared by all would let this
+		// Stop take for a token still held here, and two goroutines would
+		// read the stream at once.
+		held = serial && handOver.Stop()
 	}
 }
 
@@ -246,8 +251,10 @@ func (c *conn) work() {
 // first unless held), or returns nil once the stream has ended. Before it
 // gives the token up it starts another goroutine if none is waiting for
 // the token, so the request after this one is read while this one runs. In
-// serial mode it keeps the token instead, with handOver armed, and says so.
-func (c *conn) next(held bool) (j *job, serial bool) {
+// serial mode it keeps the token instead and returns the request's
+// hand-over: a timer that gives the token up (handTokenOn) if the request
+// runs for handOverAfter.
+func (c *conn) next(held bool) (j *job, handOver *time.Timer) {
 	if !held {
 		c.waiting.Add(1)
 		c.rmu.Lock()
@@ -255,7 +262,7 @@ func (c *conn) next(held bool) (j *job, serial bool) {
 	}
 	if c.readDone {
 		c.rmu.Unlock()
-		return nil, false
+		return nil, nil
 	}
 	waits := c.socketWaits()
 	j = c.read()
@@ -263,19 +270,18 @@ func (c *conn) next(held bool) (j *job, serial bool) {
 		c.readDone = true
 		c.queued.Store(false) // the replies still to come flush themselves
 		c.rmu.Unlock()
-		return nil, false
+		return nil, nil
 	}
 	c.st.inFlight.Add(1)
 	c.bulk(&j.req)
 	alone := c.running.Add(1) == 1
 	if c.serial(alone, waits, &j.req) {
 		c.st.serial.Add(1)
-		c.handOver.Reset(c.srv.handOverAfter())
-		return j, true
+		return j, time.AfterFunc(c.srv.handOverAfter(), c.handTokenOn)
 	}
 	c.readAhead()
 	c.rmu.Unlock()
-	return j, false
+	return j, nil
 }
 
 // readAhead starts another goroutine of the pool if none is waiting for
@@ -342,10 +348,6 @@ func (c *conn) serial(alone bool, waits uint64, r *request) bool {
 		c.sinceFlush++
 	}
 	on := c.serialN >= serialAfter && c.sinceFlush < flushWindow
-	if on && c.handOver == nil {
-		c.handOver = time.AfterFunc(time.Hour, c.handTokenOn)
-		c.handOver.Stop()
-	}
 	linger := time.Duration(0)
 	if on {
 		linger = lingerTime
