@@ -18,7 +18,7 @@ import (
 // the server makes to them: one per system call.
 type countingServer struct {
 	*Server
-	writes atomic.Int64
+	writes, reads atomic.Int64
 }
 
 func (s *countingServer) Serve(l net.Listener) error {
@@ -33,6 +33,11 @@ type countingConn struct {
 func (c countingConn) Write(p []byte) (int, error) {
 	c.s.writes.Add(1)
 	return c.Conn.Write(p)
+}
+
+func (c countingConn) Read(p []byte) (int, error) {
+	c.s.reads.Add(1)
+	return c.Conn.Read(p)
 }
 
 // Requests that arrive together are answered together: with one worker,
@@ -390,6 +395,43 @@ func TestTLSRepliesBatched(t *testing.T) {
 	}
 	if w := srv.writes.Load() - before; w > n/4 {
 		t.Errorf("%d replies took %d writes, want at most %d", n, w, n/4)
+	}
+}
+
+// Over TLS the records that have come are taken from the socket together:
+// crypto/tls asks the socket for little more than the record it decrypts,
+// so 32 writes of 4 KiB sent together, a record each, took a read of the
+// socket each; through the buffer under it (sealedConn) they take a few.
+func TestTLSRecordsReadTogether(t *testing.T) {
+	f := newTLSFix(t, TLSRequire)
+	srv := &countingServer{Server: &Server{Exports: f.srv.Exports, TLSConfig: f.certs.Config(), TLS: TLSRequire, MaxInFlight: 1}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	c := dialRaw(t, sock)
+	cc := &corkedConn{Conn: c.nc}
+	c.nc = cc
+	c.greet(3)
+	c.startTLS(f.goClient(t, "alice"))
+	c.connect2("main")
+	const n = 32
+	cc.mu.Lock()
+	cc.corked = true
+	cc.mu.Unlock()
+	before := srv.reads.Load()
+	for h := range uint64(n) {
+		c.request(cmdWrite, 0, h, h*4096, 4096, make([]byte, 4096))
+	}
+	if err := cc.uncork(); err != nil {
+		t.Fatal(err)
+	}
+	for range n {
+		if _, e, _ := c.simple(0); e != 0 {
+			t.Fatalf("write: errno %d", e)
+		}
+	}
+	// 32 records of a little over 4 KiB: three fills of the 64 KiB
+	// buffer, and the reads that find the socket empty after them.
+	if r := srv.reads.Load() - before; r > 8 {
+		t.Errorf("%d writes of 4 KiB took %d reads of the socket, want at most 8", n, r)
 	}
 }
 

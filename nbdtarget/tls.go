@@ -13,6 +13,7 @@ package nbdtarget
 // offer; only X.509 certificates are supported.
 
 import (
+	"bufio"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -281,7 +282,8 @@ func (c *conn) startTLS(data []byte) error {
 	if err := c.optReply(optStartTLS, repAck, nil); err != nil {
 		return err
 	}
-	tc := tls.Server(c.sock, c.srv.TLSConfig)
+	c.sealed = bufio.NewReaderSize(c.sock, 64<<10)
+	tc := tls.Server(sealedConn{c.sock, c.sealed}, c.srv.TLSConfig)
 	if err := tc.Handshake(); err != nil {
 		return fmt.Errorf("TLS handshake: %w", err)
 	}
@@ -308,6 +310,19 @@ func (c *conn) close() {
 	}
 	c.nc.Close()
 }
+
+// sealedConn is the socket as crypto/tls reads it: through a buffer of
+// its own (conn.sealed), so that one read of the socket takes every record
+// that has come. crypto/tls asks the socket for little more than the record
+// it is decrypting, so without the buffer each record cost a system call
+// of its own, and the records that had come behind it stayed in the
+// socket, where tlsRecords does not look.
+type sealedConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+func (s sealedConn) Read(p []byte) (int, error) { return s.r.Read(p) }
 
 // tlsRecords reads a TLS connection for the read buffer. crypto/tls
 // decrypts one record per Read, and a client such as libnbd sends each

@@ -68,6 +68,7 @@ type conn struct {
 	meta       bool            // base:allocation selected
 	metaExport *Export         // ... for this export
 	tls        *tls.Conn       // after STARTTLS; br and bw then read and write it
+	sealed     *bufio.Reader   // after STARTTLS: what crypto/tls reads, from sock (sealedConn)
 	raw        syscall.RawConn // nc's descriptor, for spliced reads; nil if it has none
 
 	transmitting bool // the handshake is over (tlsRecords); set before transmit
@@ -776,10 +777,10 @@ func (c *conn) handle(j *job, serial bool) {
 	if serial {
 		// The read buffer held nothing of the stream when this request was
 		// read, and only the token's holder fills it, so the socket is
-		// where the next request would be. (Over TLS crypto/tls may hold
-		// the start of a record read with this one; a request sent so
-		// counts as sent after the reply, which costs it at most being
-		// read once this reply has left.)
+		// where the next request would be. (Over TLS crypto/tls, or the
+		// buffer under it, may hold the start of a record read with this
+		// one; a request sent so counts as sent after the reply, which
+		// costs it at most being read once this reply has left.)
 		c.replyFirst.Store(c.sock.(*rawSocket).drained())
 	}
 	if j.errno == 0 && j.req.Type == cmdRead && j.req.Length > MaxPayload {
