@@ -12,8 +12,9 @@
 #
 # Each nbdmapper serves a one-line linear table over a 1 GiB file on a unix
 # socket (EXTRA="--procs=2" adds flags to every one; STATE=sparse serves a
-# fresh sparse file instead of the written one); fio's nbd engine runs
-# RUNTIME seconds (default 5). Prints each run, then per binary the median
+# fresh sparse file instead of the written one; SET=tls serves on loopback
+# TCP with TLS required and client certificates verified, as peers.sh's
+# tls set does); fio's nbd engine runs RUNTIME seconds (default 5). Prints each run, then per binary the median
 # IOPS, MiB/s, server CPU (user + system, from /proc) per request in µs,
 # and the machine's CPU per request: every process but fio's (task_ticks
 # in bench/lib.sh), so that work the server hands to kernel threads counts
@@ -31,9 +32,11 @@ for b in "$@"; do
 done
 
 . bench/lib.sh
-bench_setup builds fio nbdkit python3
+bench_setup builds fio nbdkit python3 openssl
 bench_machine | tee "$out/machine.md"
-echo "file: ${STATE:-written}" | tee -a "$out/machine.md"
+echo "file: ${STATE:-written}, ${SET:-plain}" | tee -a "$out/machine.md"
+[ "${SET:-plain}" != tls ] || make_pki "$work/pki"
+port=$((20000 + RANDOM % 20000))
 dd if=/dev/urandom of="$work/written.img" bs=1M count=1024 status=none
 sync "$work/written.img" # not written back under the first runs
 sock=$work/s
@@ -53,19 +56,39 @@ for round in $(seq "$rounds"); do
 		sync "$work/d.img"
 		echo "0 2097152 linear $work/d.img 0" >"$work/t"
 		rm -f "$sock"
-		if [ "$b" = nbdkit ]; then
-			nbdkit --foreground --unix "$sock" --exportname bench file "$work/d.img" 2>"$out/$i.log" &
+		if [ "${SET:-plain}" = tls ]; then
+			port=$((port + 1))
+			p=$work/pki
+			uri="nbds://127.0.0.1:$port/bench"
+			run=fio_tls
+			if [ "$b" = nbdkit ]; then
+				nbdkit --foreground --ipaddr 127.0.0.1 --port "$port" --tls=require --tls-certificates "$p" \
+					--tls-verify-peer --exportname bench file "$work/d.img" 2>"$out/$i.log" &
+			else
+				# shellcheck disable=SC2086
+				"$b" serve --metrics off --control off --listen "127.0.0.1:$port" --tls require \
+					--tls-cert "$p/server-cert.pem" --tls-key "$p/server-key.pem" --tls-ca "$p/ca-cert.pem" \
+					${EXTRA:-} "bench=$work/t" 2>"$out/$i.log" &
+			fi
+			pid=$!
+			wait_tls "$port" "$pid" "$out/$i.log"
 		else
-			# shellcheck disable=SC2086
-			"$b" serve --metrics off --control off --socket "$sock" ${EXTRA:-} "bench=$work/t" 2>"$out/$i.log" &
+			uri="nbd+unix:///bench?socket=$sock"
+			run=fio
+			if [ "$b" = nbdkit ]; then
+				nbdkit --foreground --unix "$sock" --exportname bench file "$work/d.img" 2>"$out/$i.log" &
+			else
+				# shellcheck disable=SC2086
+				"$b" serve --metrics off --control off --socket "$sock" ${EXTRA:-} "bench=$work/t" 2>"$out/$i.log" &
+			fi
+			pid=$!
+			wait_socket "$sock" "$pid" "$out/$i.log"
 		fi
-		pid=$!
-		wait_socket "$sock" "$pid" "$out/$i.log"
 		base=$out/$i-$round
 		cpu_ticks "$pid" >"$base.cpu0"
 		task_ticks >"$base.all0"
 		# shellcheck disable=SC2086
-		fio --name=b --ioengine=nbd "--uri=nbd+unix:///bench?socket=$sock" $spec --size=1024M \
+		$run --name=b --ioengine=nbd "--uri=$uri" $spec --size=1024M \
 			--time_based --runtime="${RUNTIME:-5}" --output-format=json >"$base.json"
 		cpu_ticks "$pid" >"$base.cpu1"
 		task_ticks >"$base.all1"

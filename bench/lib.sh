@@ -8,6 +8,10 @@
 #                              $NBDMAPPER_BIN if set, else built from this checkout.
 #   wait_socket SOCK PID LOG   waits until the server PID listens on SOCK;
 #                              if it exits first, prints LOG and fails.
+#   make_pki DIR               makes certificates for TLS runs in DIR.
+#   wait_tls PORT PID LOG      wait_socket for a TLS server on 127.0.0.1:PORT
+#                              with the certificates in $work/pki.
+#   fio_tls ARGS...            fio with the client certificate of $work/pki.
 #   bench_machine              prints the machine, tools and load average.
 #   cpu_ticks PID              prints PID's user + system CPU in clock ticks.
 #   task_ticks                 prints every process's user + system CPU in clock ticks.
@@ -43,6 +47,64 @@ wait_socket() {
 		fi
 		sleep 0.05
 	done
+}
+
+# make_pki DIR: a CA, a server certificate for localhost/127.0.0.1 and a
+# client certificate, in the layout libnbd, nbdkit and qemu read
+# (ca-cert.pem, server-cert.pem, server-key.pem, client-cert.pem, client-key.pem).
+make_pki() {
+	local d=$1 who
+	mkdir -p "$d"
+	openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+		-subj /CN=bench-ca -keyout "$d/ca-key.pem" -out "$d/ca-cert.pem" 2>/dev/null
+	for who in server client; do
+		openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$who" \
+			-keyout "$d/$who-key.pem" -out "$d/$who.csr" 2>/dev/null
+		if [ $who = server ]; then
+			printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' >"$d/$who.ext"
+		else
+			printf 'extendedKeyUsage=clientAuth\n' >"$d/$who.ext"
+		fi
+		openssl x509 -req -in "$d/$who.csr" -CA "$d/ca-cert.pem" -CAkey "$d/ca-key.pem" -CAcreateserial \
+			-days 2 -extfile "$d/$who.ext" -out "$d/$who-cert.pem" 2>/dev/null
+	done
+}
+
+# wait_tls PORT PID LOG: waits until the server PID answers NBD over TLS
+# on 127.0.0.1:PORT, with the certificates in $work/pki; if it exits
+# first, prints LOG and fails.
+wait_tls() {
+	local port=$1 pid=$2 log=$3
+	until nbdinfo --size "nbds://127.0.0.1:$port/bench?tls-certificates=$work/pki" >/dev/null 2>&1; do
+		if ! kill -0 "$pid" 2>/dev/null; then
+			echo "server did not start:" >&2
+			cat "$log" >&2
+			exit 1
+		fi
+		sleep 0.05
+	done
+}
+
+# fio_tls ARGS...: fio with libnbd's default certificate directory holding
+# the client certificate of $work/pki. fio 3.33's nbd engine cannot take
+# tls-certificates in its URI (libnbd refuses local files there), so fio
+# finds it in $HOME/.pki/libnbd for a fresh HOME, running as nobody when
+# run as root (root's is /etc/pki/libnbd).
+fio_tls() {
+	local home=$work/home
+	if [ ! -d "$home" ]; then
+		mkdir -p "$home/.pki/libnbd"
+		cp "$work/pki/ca-cert.pem" "$work/pki/client-cert.pem" "$work/pki/client-key.pem" "$home/.pki/libnbd/"
+		if [ "$(id -u)" = 0 ]; then
+			chmod 711 "$work"
+			chown -R nobody "$home"
+		fi
+	fi
+	if [ "$(id -u)" = 0 ]; then
+		(cd "$home" && HOME=$home setpriv --reuid=nobody --regid=nogroup --clear-groups fio "$@")
+	else
+		HOME=$home fio "$@"
+	fi
 }
 
 # bench_machine: the machine a run measures, as markdown lines.
