@@ -74,3 +74,43 @@ func BenchmarkPipelined4K(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkSerial4K measures a client at queue depth 1 that flushes after
+// each 4 KiB write, as fio's --fsync=1 does: the connection runs in serial
+// mode, and allocs/op is what the server allocates per write and flush.
+func BenchmarkSerial4K(b *testing.B) {
+	mem := backing.NewMem("m", 64<<20)
+	srv := &Server{Exports: []*Export{newExport(b, "m", seg{len: 64 << 20, dev: mem})}}
+	sock := nbdtest.ServeUnix(b, srv, ErrServerClosed)
+	nc, err := net.Dial("unix", sock)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer nc.Close()
+	c := &rawClient{t: b, nc: nc}
+	c.connect("m", false, false)
+
+	write := append(encodeRequest(nil, request{Type: cmdWrite, Length: 4096}), make([]byte, 4096)...)
+	flush := encodeRequest(nil, request{Type: cmdFlush})
+	var reply [16]byte
+	roundTrip := func(req []byte) {
+		if _, err := nc.Write(req); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(nc, reply[:]); err != nil || binary.BigEndian.Uint32(reply[4:]) != 0 {
+			b.Fatalf("reply %x: %v", reply, err)
+		}
+	}
+	b.SetBytes(4096)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		binary.BigEndian.PutUint64(write[16:], uint64(i%(16<<10))*4096)
+		roundTrip(write)
+		roundTrip(flush)
+	}
+	b.StopTimer()
+	if n := srv.Stats().Exports[0].SerialRequests; b.N > 8 && n < int64(b.N) {
+		b.Fatalf("only %d of the %d requests ran in serial mode", n, 2*b.N)
+	}
+}

@@ -67,6 +67,8 @@ type rawSocket struct {
 	// The deadlines as Unix nanoseconds (0: none), kept for a socket out
 	// of the poller and for its return.
 	rdl, wdl atomic.Int64
+
+	rd, wr, inq sockCall // Read's, Write's and drained's state
 }
 
 // lingerTime is the longest a lingering read waits on its thread.
@@ -78,7 +80,11 @@ func socketIO(nc net.Conn, rc syscall.RawConn) net.Conn {
 	if rc == nil {
 		return nc
 	}
-	return &rawSocket{Conn: nc, rc: rc, laddr: nc.LocalAddr(), raddr: nc.RemoteAddr()}
+	s := &rawSocket{Conn: nc, rc: rc, laddr: nc.LocalAddr(), raddr: nc.RemoteAddr()}
+	s.rd.s, s.rd.fn = s, s.rd.read
+	s.wr.fn = s.wr.write
+	s.inq.ctl = s.inq.ioctl
+	return s
 }
 
 // LocalAddr and RemoteAddr are the accepted connection's, which rejoin
@@ -90,29 +96,13 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
-	var n int
-	var errno syscall.Errno
-	waited := false
-	err := s.io(false, func(fd uintptr) bool {
-		for {
-			n, errno = rawIO(unix.SYS_READ, fd, p)
-			switch errno {
-			case unix.EINTR:
-				continue
-			case unix.EAGAIN:
-				if !waited {
-					waited = true
-					s.waits.Add(1)
-					// Out of the poller the wait is in poll(2) anyway.
-					if d := time.Duration(s.linger.Load()); d > 0 && s.own == nil && readable(fd, d) {
-						continue
-					}
-				}
-				return false // wait until the socket is readable
-			}
-			return true
-		}
-	})
+	r := &s.rd
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.p, r.n, r.errno, r.waited = p, 0, 0, false
+	err := s.io(false, r.fn)
+	n, errno := r.n, r.errno
+	r.p = nil
 	switch {
 	case err != nil:
 		return 0, err
@@ -126,26 +116,36 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-func (s *rawSocket) Write(p []byte) (int, error) {
-	done := 0
-	var errno syscall.Errno
-	err := s.io(true, func(fd uintptr) bool {
-		for done < len(p) {
-			n, e := rawIO(unix.SYS_WRITE, fd, p[done:])
-			switch e {
-			case 0:
-				done += n
-				continue
-			case unix.EINTR:
-				continue
-			case unix.EAGAIN:
-				return false // wait until the socket has room
+// read is a Read's attempt, which the socket's RawConn runs (fn).
+func (r *sockCall) read(fd uintptr) bool {
+	for {
+		r.n, r.errno = rawIO(unix.SYS_READ, fd, r.p)
+		switch r.errno {
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			if !r.waited {
+				r.waited = true
+				r.s.waits.Add(1)
+				// Out of the poller the wait is in poll(2) anyway.
+				if d := time.Duration(r.s.linger.Load()); d > 0 && r.s.own == nil && readable(fd, d) {
+					continue
+				}
 			}
-			errno = e
-			return true
+			return false // wait until the socket is readable
 		}
 		return true
-	})
+	}
+}
+
+func (s *rawSocket) Write(p []byte) (int, error) {
+	w := &s.wr
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.p, w.n, w.errno = p, 0, 0
+	err := s.io(true, w.fn)
+	done, errno := w.n, w.errno
+	w.p = nil
 	switch {
 	case err != nil:
 		return done, err
@@ -155,6 +155,44 @@ func (s *rawSocket) Write(p []byte) (int, error) {
 		return done, os.NewSyscallError("write", errno)
 	}
 	return done, nil
+}
+
+// write is a Write's attempt, which the socket's RawConn runs (fn): it
+// adds what it writes to n.
+func (w *sockCall) write(fd uintptr) bool {
+	for w.n < len(w.p) {
+		n, e := rawIO(unix.SYS_WRITE, fd, w.p[w.n:])
+		switch e {
+		case 0:
+			w.n += n
+			continue
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return false // wait until the socket has room
+		}
+		w.errno = e
+		return true
+	}
+	return true
+}
+
+// A sockCall is the state of a rawSocket's Read, Write or drained while it
+// runs: its arguments and results, and its attempt bound once as fn, the
+// function the socket's RawConn runs. A call so allocates nothing, where a
+// closure over its variables would escape to the heap through the RawConn
+// on every call. mu serializes the calls of one kind, as the network
+// poller's read and write locks serialize a net.Conn's.
+type sockCall struct {
+	mu     sync.Mutex
+	s      *rawSocket            // for a read
+	fn     func(fd uintptr) bool // read or write
+	ctl    func(fd uintptr)      // ioctl
+	p      []byte
+	n      int
+	errno  syscall.Errno
+	waited bool  // a read found the socket empty
+	inq    int32 // drained's answer
 }
 
 // rawIO is read(2) or write(2) (trap) of p on fd, p not empty.
@@ -167,14 +205,19 @@ func rawIO(trap, fd uintptr, p []byte) (int, syscall.Errno) {
 // yet (SIOCINQ reads 0); it is false when the socket holds bytes or the
 // question fails. ioctl(SIOCINQ) cannot block, so it is a raw call too.
 func (s *rawSocket) drained() bool {
-	var inq int32
-	var errno syscall.Errno
-	if err := s.control(func(fd uintptr) {
-		_, _, errno = unix.RawSyscall(unix.SYS_IOCTL, fd, unix.SIOCINQ, uintptr(unsafe.Pointer(&inq)))
-	}); err != nil {
+	q := &s.inq
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.inq, q.errno = 0, 0
+	if err := s.control(q.ctl); err != nil {
 		return false
 	}
-	return errno == 0 && inq == 0
+	return q.errno == 0 && q.inq == 0
+}
+
+// ioctl is drained's call, which the socket's RawConn runs (ctl).
+func (q *sockCall) ioctl(fd uintptr) {
+	_, _, q.errno = unix.RawSyscall(unix.SYS_IOCTL, fd, unix.SIOCINQ, uintptr(unsafe.Pointer(&q.inq)))
 }
 
 // readable waits up to d in poll(2) for fd to be readable (or closed by the

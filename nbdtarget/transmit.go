@@ -79,17 +79,18 @@ type conn struct {
 	xmem *exportBudget
 	st   *exportStats
 
-	rmu        sync.Mutex   // the read token: held while decoding a request
-	readDone   bool         // the stream has ended (DISC, EOF, broken, Shutdown); under rmu
-	workers    int          // goroutines in the pool; under rmu
-	waiting    atomic.Int32 // goroutines waiting for the read token
-	running    atomic.Int32 // requests read and not yet answered (account)
-	serialN    int          // requests in a row fit for serial mode; under rmu
-	sinceFlush int          // requests read since the last flush; under rmu
-	bulkN      int          // the bulk score (see bulk); under rmu
-	bulky      bool         // writing in bulk: counted twice in Server.OnActive (twice); under rmu
-	outside    bool         // the socket is out of the poller: counted twice too; under rmu
-	replyFirst atomic.Bool  // nothing of the next request had come when the last serial reply left
+	rmu        sync.Mutex        // the read token: held while decoding a request
+	readDone   bool              // the stream has ended (DISC, EOF, broken, Shutdown); under rmu
+	workers    int               // goroutines in the pool; under rmu
+	waiting    atomic.Int32      // goroutines waiting for the read token
+	running    atomic.Int32      // requests read and not yet answered (account)
+	serialN    int               // requests in a row fit for serial mode; under rmu
+	sinceFlush int               // requests read since the last flush; under rmu
+	hdr        [requestSize]byte // the request header being read (a local would escape); under rmu
+	bulkN      int               // the bulk score (see bulk); under rmu
+	bulky      bool              // writing in bulk: counted twice in Server.OnActive (twice); under rmu
+	outside    bool              // the socket is out of the poller: counted twice too; under rmu
+	replyFirst atomic.Bool       // nothing of the next request had come when the last serial reply left
 	pool       sync.WaitGroup
 	mem        *semaphore.Weighted // MaxInFlightBytes
 
@@ -447,15 +448,15 @@ func (c *conn) recount(was bool) {
 
 // read decodes one request and its payload; nil means the stream ended.
 func (c *conn) read() *job {
-	var hdr [requestSize]byte
+	hdr := c.hdr[:]
 	c.mayBlock(requestSize)
-	if _, err := io.ReadFull(c.br, hdr[:]); err != nil {
+	if _, err := io.ReadFull(c.br, hdr); err != nil {
 		if !c.quiet(err) && !errors.Is(err, io.ErrUnexpectedEOF) {
 			c.log.Warn("nbd read request", "err", err)
 		}
 		return nil
 	}
-	r, ok := decodeRequest(hdr[:])
+	r, ok := decodeRequest(hdr)
 	if !ok {
 		// Nothing after a bad magic can be trusted to be a header.
 		c.log.Warn("nbd request with bad magic: closing connection")
