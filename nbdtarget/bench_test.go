@@ -11,6 +11,26 @@ import (
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 )
 
+// benchServe serves a 64 MiB in-memory export, its pages all allocated if
+// written, and returns the server and a connection in its transmission
+// phase, closed when b ends.
+func benchServe(b *testing.B, written bool) (*Server, net.Conn) {
+	mem := backing.NewMem("m", 64<<20)
+	if written {
+		mem.WriteAt(make([]byte, 64<<20), 0)
+	}
+	srv := &Server{Exports: []*Export{newExport(b, "m", seg{len: 64 << 20, dev: mem})}}
+	sock := nbdtest.ServeUnix(b, srv, ErrServerClosed)
+	nc, err := net.Dial("unix", sock)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { nc.Close() })
+	c := &rawClient{t: b, nc: nc}
+	c.connect("m", false, false)
+	return srv, nc
+}
+
 // BenchmarkPipelined4K measures 4 KiB requests with 32 in flight on one
 // connection to an in-memory device; allocs/op shows what the server
 // allocates per request in steady state (the client allocates nothing).
@@ -20,17 +40,7 @@ func BenchmarkPipelined4K(b *testing.B) {
 		typ  uint16
 	}{{"read", cmdRead}, {"write", cmdWrite}} {
 		b.Run(bc.name, func(b *testing.B) {
-			mem := backing.NewMem("m", 64<<20)
-			mem.WriteAt(make([]byte, 64<<20), 0) // allocate every page
-			srv := &Server{Exports: []*Export{newExport(b, "m", seg{len: 64 << 20, dev: mem})}}
-			sock := nbdtest.ServeUnix(b, srv, ErrServerClosed)
-			nc, err := net.Dial("unix", sock)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer nc.Close()
-			c := &rawClient{t: b, nc: nc}
-			c.connect("m", false, false)
+			_, nc := benchServe(b, true)
 
 			const depth = 32
 			sem := make(chan struct{}, depth)
@@ -79,16 +89,7 @@ func BenchmarkPipelined4K(b *testing.B) {
 // each 4 KiB write, as fio's --fsync=1 does: the connection runs in serial
 // mode, and allocs/op is what the server allocates per write and flush.
 func BenchmarkSerial4K(b *testing.B) {
-	mem := backing.NewMem("m", 64<<20)
-	srv := &Server{Exports: []*Export{newExport(b, "m", seg{len: 64 << 20, dev: mem})}}
-	sock := nbdtest.ServeUnix(b, srv, ErrServerClosed)
-	nc, err := net.Dial("unix", sock)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer nc.Close()
-	c := &rawClient{t: b, nc: nc}
-	c.connect("m", false, false)
+	srv, nc := benchServe(b, false)
 
 	write := append(encodeRequest(nil, request{Type: cmdWrite, Length: 4096}), make([]byte, 4096)...)
 	flush := encodeRequest(nil, request{Type: cmdFlush})
