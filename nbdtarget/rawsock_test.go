@@ -272,3 +272,36 @@ func TestRawSocketDrained(t *testing.T) {
 		})
 	}
 }
+
+// A rawSocket's Read, Write and drained allocate nothing, in the poller
+// and out of it: each call's state is the socket's own (sockCall), where a
+// closure handed to the RawConn would escape to the heap on every call.
+func TestRawSocketAllocs(t *testing.T) {
+	for _, out := range []bool{false, true} {
+		rs, client := rawSocketPair(t)
+		if out && !rs.leave() {
+			t.Fatal("the socket did not leave the poller")
+		}
+		p, q := bytes.Repeat([]byte{7}, 16), make([]byte, 16)
+		allocs := nbdtest.AllocsPerRun(100, func() {
+			if _, err := rs.Write(p); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(client, q); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := client.Write(p); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(rs, q); err != nil {
+				t.Fatal(err)
+			}
+			if !rs.drained() {
+				t.Fatal("not drained once every byte was read")
+			}
+		})
+		if allocs != 0 {
+			t.Errorf("out of the poller %v: a write, a read and drained allocated %v times, want 0", out, allocs)
+		}
+	}
+}
