@@ -1,6 +1,7 @@
 package backing
 
 import (
+	"math"
 	"sync/atomic"
 
 	"github.com/nbdmapper/nbdmapper/internal/signal"
@@ -65,15 +66,43 @@ func ReadCallStats() CallStats {
 	return CallStats{InProgress: int64(len(processCalls) + len(reserveCalls)), Waits: callWaits.Load()}
 }
 
-// callGate bounds one File's system calls: a token in dev for each in
-// progress, and one in own while a call is on the reserve.
+// callGate bounds one File's system calls: a slot of dev for each in
+// progress, and a token in own while a call is on the reserve.
 type callGate struct {
-	dev chan struct{}
+	dev *deviceSlots
 	own chan struct{}
 }
 
 func newCallGate() callGate {
-	return callGate{dev: make(chan struct{}, DeviceCalls), own: make(chan struct{}, 1)}
+	return callGate{dev: &deviceSlots{wake: make(chan struct{}, math.MaxInt32)}, own: make(chan struct{}, 1)}
+}
+
+// deviceSlots are a File's DeviceCalls slots. n counts the calls that hold
+// one and those waiting for one: a call whose count passes DeviceCalls
+// waits, and a call that ends while any wait hands its slot to one of them
+// through wake. A call that finds a slot free so takes it with one atomic
+// add and gives it back with another, where a channel of tokens took its
+// lock each way (docs/benchmarks.md, "What the layers add to a write").
+// wake's elements take no memory, so its capacity (more than goroutines
+// can wait) costs none, and a hand-over never blocks.
+type deviceSlots struct {
+	n    atomic.Int64
+	wake chan struct{}
+}
+
+// take takes a slot, waiting for one if all are held.
+func (d *deviceSlots) take() {
+	if d.n.Add(1) > DeviceCalls {
+		callWaits.Add(1)
+		<-d.wake
+	}
+}
+
+// give gives a slot back, or to a call waiting for one.
+func (d *deviceSlots) give() {
+	if d.n.Add(-1) >= DeviceCalls {
+		d.wake <- struct{}{}
+	}
 }
 
 // A callSlot is which of the process's slots a call holds.
@@ -89,12 +118,7 @@ const (
 // whichever comes first if it must (and, with the reserve spent, trying it
 // again whenever a call on it ends); it returns the one it took, for exit.
 func (g callGate) enter() callSlot {
-	select {
-	case g.dev <- struct{}{}:
-	default:
-		callWaits.Add(1)
-		g.dev <- struct{}{}
-	}
+	g.dev.take()
 	select {
 	case processCalls <- struct{}{}:
 		return processSlot
@@ -133,7 +157,7 @@ func (g callGate) exit(s callSlot) {
 	} else {
 		<-processCalls
 	}
-	<-g.dev
+	g.dev.give()
 }
 
 // reserveFreed fires whenever a call on the reserve ends: the calls
