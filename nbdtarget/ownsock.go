@@ -13,9 +13,11 @@ import (
 
 // ownSocket is a rawSocket's descriptor while it is out of Go's network
 // poller: a duplicate of the accepted one, which is closed, so that the
-// poller no longer watches the socket. Its calls wait for the socket in
-// poll(2) on their own thread, as a thread-per-connection server's calls
-// block, instead of parking in the poller.
+// poller no longer watches the socket. Its calls wait for the socket on
+// their own thread, as a thread-per-connection server's calls block,
+// instead of parking in the poller: a lingering read (conn.serial's) in
+// recv(2) itself, for up to rawSocket.ownLinger, and then, as every other
+// call does, in poll(2).
 //
 // That is for a connection whose client waits for each reply, with
 // flushes between (serial mode, see conn.serial), when it is the server's
@@ -36,13 +38,26 @@ import (
 // in poll(2), woken by the socket itself rather than through epoll_wait
 // and the scheduler, and fio's 1M writes cost 0.83 of the CPU per request.
 //
-// Deadlines are poll(2)'s timeouts, taken when a wait begins. A read
-// deadline set while a read waits wakes it through kick, an eventfd the
-// read polls too (Shutdown's stopReading sets one to stop the reader); a
-// write deadline set meanwhile applies from the write's next wait, which
-// nothing here needs: write deadlines are set only in the handshake,
-// before a socket leaves the poller. Close shuts the socket down, which
-// wakes every wait.
+// The read waits in recv(2) because nothing wakes it sooner when the
+// client sends: one blocking call, where a wait in poll(2) takes three
+// (the read that finds the socket empty, the poll, and the read again),
+// and the kernel wakes the thread straight into the read. fio's 4k random
+// writes with an fdatasync after each made 1.07-1.10 times the IOPS
+// waiting in recv that they made waiting in poll (docs/benchmarks.md, "A
+// read out of the poller waits in recv"). So the descriptor is blocking
+// while out of the poller, with its recv timed out (SO_RCVTIMEO), and
+// every other call on it is non-blocking by its flags (rawIO) or waits in
+// poll(2); a splice into it blocks in the call, as it would in poll(2).
+//
+// Deadlines are poll(2)'s timeouts, taken when a wait begins; a read does
+// not wait in recv(2) under one. A read deadline set while a read waits
+// wakes it through kick, an eventfd the read polls too (Shutdown's
+// stopReading sets one to stop the reader), or, while the read is still
+// in recv(2), when the recv times out, at most ownLinger later. A write
+// deadline set meanwhile applies from the write's next wait, which nothing
+// here needs: write deadlines are set only in the handshake, before a
+// socket leaves the poller. Close shuts the socket down, which wakes every
+// wait.
 type ownSocket struct {
 	fd    int
 	kick  int
@@ -74,6 +89,11 @@ func (s *rawSocket) leave() bool {
 		unix.Close(fd)
 		return false
 	}
+	if err := blockFor(fd, s.ownLinger); err != nil {
+		unix.Close(kick)
+		unix.Close(fd)
+		return false
+	}
 	s.Conn.Close() // the poller forgets it; the socket lives on in fd
 	s.own = &ownSocket{fd: fd, kick: kick}
 	return true
@@ -93,19 +113,26 @@ func (s *rawSocket) rejoin() bool {
 	// net.FileConn takes a duplicate of what f holds into the poller, and
 	// f's descriptor is closed after: a duplicate too, so that own.fd
 	// stays whatever happens.
+	if err := unblock(s.own.fd); err != nil {
+		return false
+	}
 	d, err := dupCloexec(s.own.fd)
 	if err != nil {
+		blockFor(s.own.fd, s.ownLinger)
 		return false
 	}
 	f := os.NewFile(uintptr(d), "")
 	nc, err := net.FileConn(f)
 	f.Close()
-	if err != nil {
-		return false
+	var rc syscall.RawConn
+	if err == nil {
+		if rc = rawConn(nc); rc == nil {
+			nc.Close()
+		}
 	}
-	rc := rawConn(nc)
 	if rc == nil {
-		nc.Close()
+		// Out it stays, and its reads wait in recv(2) again.
+		blockFor(s.own.fd, s.ownLinger)
 		return false
 	}
 	if d := s.rdl.Load(); d != 0 {
@@ -118,6 +145,27 @@ func (s *rawSocket) rejoin() bool {
 	unix.Close(s.own.fd)
 	s.Conn, s.rc, s.own = nc, rc, nil
 	return true
+}
+
+// blockFor makes the socket fd blocking, with its recv(2) timed out after
+// d (> 0), the timeout set first: blocking without it, a read would see a
+// deadline set meanwhile only when the client sends.
+func blockFor(fd int, d time.Duration) error {
+	tv := unix.NsecToTimeval(int64(d))
+	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+		return err
+	}
+	return unix.SetNonblock(fd, false)
+}
+
+// unblock makes the socket fd non-blocking and its recv(2) untimed again,
+// as the poller has its sockets.
+func unblock(fd int) error {
+	if err := unix.SetNonblock(fd, true); err != nil {
+		return err
+	}
+	var none unix.Timeval
+	return unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &none)
 }
 
 // dupCloexec duplicates fd, close-on-exec.

@@ -2,9 +2,12 @@ package nbdtarget
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 	"unsafe"
@@ -196,4 +199,175 @@ func TestDeadlinesFollowTheSocket(t *testing.T) {
 	if _, err := rs.Read(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Fatalf("back in the poller, a read past its deadline: %v", err)
 	}
+}
+
+// Out of the poller, a lingering read that finds the socket empty waits
+// in recv(2) on the blocking descriptor, timed out after ownLinger, and a
+// signal to its thread does not end it; one that does not linger waits in
+// poll(2). Back in the poller the descriptor is non-blocking and untimed
+// again.
+func TestOutOfPollerReadWaitsInRecv(t *testing.T) {
+	rs, client := rawSocketPair(t)
+	t.Cleanup(func() { rs.Close() })
+	rs.ownLinger = nbdtest.Bound
+	if !rs.leave() {
+		t.Fatal("an idle socket did not leave the poller")
+	}
+	fd := rs.own.fd
+	if nonblock, timeout := descriptorMode(t, fd); nonblock || timeout != nbdtest.Bound {
+		t.Fatalf("out of the poller: non-blocking %v, recv timeout %v; want blocking, %v", nonblock, timeout, nbdtest.Bound)
+	}
+
+	read := waitingRead(t, rs)
+	nbdtest.Until(t, "the read that does not linger to wait", func() bool { return threadIn(t, unix.SYS_PPOLL, -1) != 0 })
+	if threadIn(t, unix.SYS_RECVFROM, fd) != 0 {
+		t.Fatal("a read that does not linger waits in recvfrom")
+	}
+	if _, err := client.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if err := recvErr(t, read, "the read that does not linger"); err != nil {
+		t.Fatal(err)
+	}
+
+	rs.linger.Store(int64(lingerTime)) // as conn.serial has it
+	got := make(chan string, 1)
+	go func() {
+		buf := make([]byte, 16)
+		n, err := rs.Read(buf)
+		if err != nil {
+			got <- err.Error()
+			return
+		}
+		got <- string(buf[:n])
+	}()
+	var tid int
+	nbdtest.Until(t, "the read to wait in recvfrom", func() bool {
+		tid = threadIn(t, unix.SYS_RECVFROM, fd)
+		return tid != 0
+	})
+	// The recv has a timeout, so a signal ends it with EINTR (Go's
+	// preemption signal here), and the read goes on waiting.
+	if err := unix.Tgkill(os.Getpid(), tid, unix.SIGURG); err != nil {
+		t.Fatal(err)
+	}
+	nbdtest.Until(t, "the signal to be taken", func() bool { return !signalPending(t, tid, unix.SIGURG) })
+	nbdtest.Until(t, "the read to wait in recvfrom again", func() bool { return threadIn(t, unix.SYS_RECVFROM, fd) != 0 })
+	if _, err := client.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if g := nbdtest.Recv(t, got, "the read"); g != "x" {
+		t.Fatalf("read out of the poller: %q, want x", g)
+	}
+	if !rs.rejoin() {
+		t.Fatal("an idle socket out of the poller did not come back")
+	}
+	rawConn(rs.Conn).Control(func(d uintptr) { fd = int(d) })
+	if nonblock, timeout := descriptorMode(t, fd); !nonblock || timeout != 0 {
+		t.Fatalf("back in the poller: non-blocking %v, recv timeout %v; want non-blocking, none", nonblock, timeout)
+	}
+}
+
+// A write out of the poller that finds the socket full waits in poll(2),
+// though the descriptor is blocking: its send(2) does not block (rawIO's
+// MSG_DONTWAIT). One that blocked would hold its P, a raw call, until the
+// client read, and the garbage collector would wait for it to stop the
+// world.
+func TestOutOfPollerWriteWaitsInPoll(t *testing.T) {
+	rs, client := rawSocketPair(t)
+	t.Cleanup(func() { rs.Close() })
+	if !rs.leave() {
+		t.Fatal("an idle socket did not leave the poller")
+	}
+	fd := rs.own.fd
+	write := make(chan error, 1)
+	go func() {
+		p := make([]byte, 1<<20)
+		for {
+			if _, err := rs.Write(p); err != nil {
+				write <- err
+				return
+			}
+		}
+	}()
+	nbdtest.Until(t, "the socket to fill", func() bool { return queued(t, client) >= 64<<10 })
+	var sending bool
+	nbdtest.Until(t, "the write to wait", func() bool {
+		sending = threadIn(t, unix.SYS_SENDTO, fd) != 0
+		return sending || threadIn(t, unix.SYS_PPOLL, -1) != 0
+	})
+	if sending {
+		t.Fatal("the write waits in sendto, holding its P")
+	}
+	rs.Close()
+	if err := recvErr(t, write, "the write"); !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("the write of a socket closed: %v", err)
+	}
+}
+
+// descriptorMode is whether the socket fd is non-blocking, and its recv
+// timeout (SO_RCVTIMEO).
+func descriptorMode(t *testing.T, fd int) (nonblock bool, timeout time.Duration) {
+	t.Helper()
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tv, err := unix.GetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fl&unix.O_NONBLOCK != 0, time.Duration(tv.Nano())
+}
+
+// threadIn is a thread of this process that waits in system call nr with
+// fd its first argument (any first argument for fd -1), or 0 if none does.
+func threadIn(t *testing.T, nr, fd int) int {
+	t.Helper()
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("%d 0x%x ", nr, fd)
+	if fd < 0 {
+		want = fmt.Sprintf("%d ", nr)
+	}
+	for _, task := range tasks {
+		tid, err := strconv.Atoi(task.Name())
+		if err == nil && strings.HasPrefix(threadSyscall(t, tid), want) {
+			return tid
+		}
+	}
+	return 0
+}
+
+// threadSyscall is /proc/self/task/tid/syscall: the system call the thread
+// waits in and its arguments, "running", or "" for a thread gone.
+func threadSyscall(t *testing.T, tid int) string {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/self/task/%d/syscall", tid))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// signalPending is whether sig waits to be delivered to thread tid.
+func signalPending(t *testing.T, tid int, sig unix.Signal) bool {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/self/task/%d/status", tid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if mask, ok := strings.CutPrefix(line, "SigPnd:"); ok {
+			m, err := strconv.ParseUint(strings.TrimSpace(mask), 16, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return m&(1<<(sig-1)) != 0
+		}
+	}
+	t.Fatalf("no SigPnd in thread %d's status", tid)
+	return false
 }

@@ -17,9 +17,11 @@ import (
 // Go scheduler is not told about (RawSyscall), for the read and write
 // buffers and for TLS.
 //
-// The socket is non-blocking, as every socket in Go's network poller is,
-// so a read or write never blocks: when it cannot go on it returns EAGAIN,
-// and the goroutine waits in the poller (syscall.RawConn, under the
+// The calls are recv(2) and send(2) with MSG_DONTWAIT, so a read or write
+// never blocks, whether the socket is non-blocking, as every socket in
+// Go's network poller is, or blocking, as one out of it is (ownSocket):
+// when it cannot go on it returns EAGAIN, and the goroutine waits in the
+// poller (syscall.RawConn, under the
 // connection's deadlines) just as net.Conn's Read and Write wait. What
 // those add is the scheduler's entry and exit around each call, so that it
 // can hand the P to another thread if the call blocks. For a call that
@@ -48,7 +50,8 @@ import (
 // the P, sysmon hands it on after 20 µs, as for any blocking call.
 //
 // A rawSocket can also leave the poller altogether (leave, and rejoin to
-// come back): see ownSocket.
+// come back): see ownSocket. There a lingering read waits in recv(2)
+// itself (recvWait), and one that does not linger in poll(2).
 type rawSocket struct {
 	net.Conn                 // as accepted, or as rejoin made it; closed while out of the poller
 	rc       syscall.RawConn // Conn's descriptor
@@ -56,6 +59,10 @@ type rawSocket struct {
 	raddr    net.Addr
 	linger   atomic.Int64 // a time.Duration; 0: wait in the poller at once
 	waits    atomic.Uint64
+	// ownLinger is how long a read out of the poller waits in recv(2)
+	// before it waits in poll(2) (recvWait): lingerTime, which tests
+	// change before the socket leaves the poller.
+	ownLinger time.Duration
 
 	// mu is held shared by every call on the socket, and exclusively to
 	// move it out of the poller or back (never waited for: TryLock, so
@@ -80,7 +87,7 @@ func socketIO(nc net.Conn, rc syscall.RawConn) net.Conn {
 	if rc == nil {
 		return nc
 	}
-	s := &rawSocket{Conn: nc, rc: rc, laddr: nc.LocalAddr(), raddr: nc.RemoteAddr()}
+	s := &rawSocket{Conn: nc, rc: rc, laddr: nc.LocalAddr(), raddr: nc.RemoteAddr(), ownLinger: lingerTime}
 	s.rd.s, s.rd.fn = s, s.rd.read
 	s.wr.fn = s.wr.write
 	s.inq.ctl = s.inq.ioctl
@@ -106,7 +113,7 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 	switch {
 	case err != nil:
 		return 0, err
-	case errno != 0 && s.closed.Load():
+	case (errno != 0 || n == 0) && s.closed.Load():
 		return 0, net.ErrClosed // shut down by Close under the call
 	case errno != 0:
 		return 0, os.NewSyscallError("read", errno)
@@ -119,7 +126,7 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 // read is a Read's attempt, which the socket's RawConn runs (fn).
 func (r *sockCall) read(fd uintptr) bool {
 	for {
-		r.n, r.errno = rawIO(unix.SYS_READ, fd, r.p)
+		r.n, r.errno = rawIO(unix.SYS_RECVFROM, fd, r.p, unix.MSG_DONTWAIT)
 		switch r.errno {
 		case unix.EINTR:
 			continue
@@ -127,15 +134,42 @@ func (r *sockCall) read(fd uintptr) bool {
 			if !r.waited {
 				r.waited = true
 				r.s.waits.Add(1)
-				// Out of the poller the wait is in poll(2) anyway.
 				if d := time.Duration(r.s.linger.Load()); d > 0 && r.s.own == nil && readable(fd, d) {
 					continue
 				}
+			}
+			if r.s.own != nil && r.s.linger.Load() > 0 {
+				return r.recvWait(fd)
 			}
 			return false // wait until the socket is readable
 		}
 		return true
 	}
+}
+
+// recvWait waits for the socket out of the poller, for a lingering read,
+// in a blocking recv(2), an ordinary system call, which returns what comes
+// as soon as it comes: no other wait takes a request from the client with
+// fewer system calls (ownSocket). The descriptor times the recv out after
+// ownLinger (SO_RCVTIMEO); then, or with a read deadline set, recvWait
+// returns false and the read waits in poll(2), under the deadline and the
+// kick.
+func (r *sockCall) recvWait(fd uintptr) bool {
+	for r.s.rdl.Load() == 0 {
+		n, _, e := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&r.p[0])), uintptr(len(r.p)), 0, 0, 0)
+		switch e {
+		case unix.EINTR:
+			// A signal ends a recv that has a timeout whatever
+			// SA_RESTART says (signal(7)), and Go preempts with
+			// signals: look at the deadline again and go on.
+			continue
+		case unix.EAGAIN:
+			return false // timed out
+		}
+		r.n, r.errno = int(n), e
+		return true
+	}
+	return false
 }
 
 func (s *rawSocket) Write(p []byte) (int, error) {
@@ -161,7 +195,7 @@ func (s *rawSocket) Write(p []byte) (int, error) {
 // adds what it writes to n.
 func (w *sockCall) write(fd uintptr) bool {
 	for w.n < len(w.p) {
-		n, e := rawIO(unix.SYS_WRITE, fd, w.p[w.n:])
+		n, e := rawIO(unix.SYS_SENDTO, fd, w.p[w.n:], unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
 		switch e {
 		case 0:
 			w.n += n
@@ -195,9 +229,10 @@ type sockCall struct {
 	inq    int32 // drained's answer
 }
 
-// rawIO is read(2) or write(2) (trap) of p on fd, p not empty.
-func rawIO(trap, fd uintptr, p []byte) (int, syscall.Errno) {
-	n, _, errno := unix.RawSyscall(trap, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+// rawIO is recv(2) or send(2) (trap: recvfrom or sendto) of p on fd with
+// flags, p not empty.
+func rawIO(trap, fd uintptr, p []byte, flags int) (int, syscall.Errno) {
+	n, _, errno := unix.RawSyscall6(trap, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)), uintptr(flags), 0, 0)
 	return int(n), errno
 }
 
