@@ -38,16 +38,19 @@ import (
 // in poll(2), woken by the socket itself rather than through epoll_wait
 // and the scheduler, and fio's 1M writes cost 0.83 of the CPU per request.
 //
-// The read waits in recv(2) because nothing wakes it sooner when the
-// client sends: one blocking call, where a wait in poll(2) takes three
-// (the read that finds the socket empty, the poll, and the read again),
-// and the kernel wakes the thread straight into the read. fio's 4k random
-// writes with an fdatasync after each made 1.07-1.10 times the IOPS
-// waiting in recv that they made waiting in poll (docs/benchmarks.md, "A
-// read out of the poller waits in recv"). So the descriptor is blocking
-// while out of the poller, with its recv timed out (SO_RCVTIMEO), and
-// every other call on it is non-blocking by its flags (rawIO) or waits in
-// poll(2); a splice into it blocks in the call, as it would in poll(2).
+// The lingering read waits in recv(2) because nothing takes the client's
+// next request sooner: one blocking call, where a wait in poll(2) takes
+// three (the read that finds the socket empty, the poll, and the read
+// again), and the kernel wakes the thread straight into the copy. fio's
+// 4k random writes with an fdatasync after each, on a file in tmpfs, made
+// 1.11 times the IOPS waiting in recv that they made waiting in poll, at
+// 0.98 of the CPU; a bulk reader's 1M writes gained nothing, and it keeps
+// poll(2) (docs/benchmarks.md, "A read out of the poller waits in recv").
+// So the descriptor is blocking while out of the poller, with its recv
+// timed out (SO_RCVTIMEO), and every other call on it is non-blocking by
+// its flags (rawIO) or waits in poll(2); a splice into it, which no flag
+// keeps from blocking, is timed out too (SO_SNDTIMEO), and then waits in
+// poll(2) as before.
 //
 // Deadlines are poll(2)'s timeouts, taken when a wait begins; a read does
 // not wait in recv(2) under one. A read deadline set while a read waits
@@ -147,25 +150,34 @@ func (s *rawSocket) rejoin() bool {
 	return true
 }
 
-// blockFor makes the socket fd blocking, with its recv(2) timed out after
-// d (> 0), the timeout set first: blocking without it, a read would see a
-// deadline set meanwhile only when the client sends.
+// blockFor makes the socket fd blocking, with its receives and sends timed
+// out after d (> 0), the timeouts set first: blocking without them, a read
+// would see a deadline set meanwhile only when the client sends.
 func blockFor(fd int, d time.Duration) error {
-	tv := unix.NsecToTimeval(int64(d))
-	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+	if err := setTimeouts(fd, unix.NsecToTimeval(int64(d))); err != nil {
 		return err
 	}
 	return unix.SetNonblock(fd, false)
 }
 
-// unblock makes the socket fd non-blocking and its recv(2) untimed again,
-// as the poller has its sockets.
+// unblock makes the socket fd non-blocking and untimed again, as the
+// poller has its sockets.
 func unblock(fd int) error {
 	if err := unix.SetNonblock(fd, true); err != nil {
 		return err
 	}
-	var none unix.Timeval
-	return unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &none)
+	return setTimeouts(fd, unix.Timeval{})
+}
+
+// setTimeouts sets the socket fd's receive and send timeouts (SO_RCVTIMEO,
+// SO_SNDTIMEO) to tv, zero for none.
+func setTimeouts(fd int, tv unix.Timeval) error {
+	for _, opt := range []int{unix.SO_RCVTIMEO, unix.SO_SNDTIMEO} {
+		if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, opt, &tv); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // dupCloexec duplicates fd, close-on-exec.

@@ -305,19 +305,27 @@ func TestOutOfPollerWriteWaitsInPoll(t *testing.T) {
 	}
 }
 
-// descriptorMode is whether the socket fd is non-blocking, and its recv
-// timeout (SO_RCVTIMEO).
+// descriptorMode is whether the socket fd is non-blocking, and its
+// receive timeout (SO_RCVTIMEO), failing the test unless its send timeout
+// (SO_SNDTIMEO) is the same.
 func descriptorMode(t *testing.T, fd int) (nonblock bool, timeout time.Duration) {
 	t.Helper()
 	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tv, err := unix.GetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO)
+	rcv, err := unix.GetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return fl&unix.O_NONBLOCK != 0, time.Duration(tv.Nano())
+	snd, err := unix.GetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if *rcv != *snd {
+		t.Fatalf("receive timeout %+v, send timeout %+v", *rcv, *snd)
+	}
+	return fl&unix.O_NONBLOCK != 0, time.Duration(rcv.Nano())
 }
 
 // threadIn is a thread of this process that waits in system call nr with
