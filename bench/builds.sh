@@ -18,7 +18,7 @@
 # IOPS, MiB/s, server CPU (user + system, from /proc) per request in µs,
 # and the machine's CPU per request: every process but fio's (task_ticks
 # in bench/lib.sh), so that work the server hands to kernel threads counts
-# too.
+# too; then each binary against the first, round by round.
 # Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -104,6 +104,7 @@ def tasks(path):
     return dict(map(int, line.split()) for line in open(path))
 print("| binary | IOPS | MiB/s | CPU µs per request | machine CPU µs per request |")
 print("|---|---|---|---|---|")
+every = []
 for i, b in enumerate(bins):
     runs = []
     for r in range(1, rounds + 1):
@@ -119,4 +120,15 @@ for i, b in enumerate(bins):
         print(f"  round {r} {b.split('/')[-1]}: {runs[-1][0]:.0f} IOPS, {runs[-1][1]:.0f} MiB/s, {runs[-1][2]:.2f} µs, machine {runs[-1][3]:.2f} µs", file=sys.stderr)
     med = [statistics.median(x[k] for x in runs) for k in range(4)]
     print(f"| {b.split('/')[-1]} | {med[0]:.0f} | {med[1]:.0f} | {med[2]:.2f} | {med[3]:.2f} |")
+    every.append(runs)
+# Paired: each binary against the first in the same round, which ran
+# under the same machine load, so that a slow minute of a shared host
+# drops both sides of a ratio rather than one side of a median.
+print()
+print(f"| binary / {bins[0].split('/')[-1]} | IOPS, median of rounds | rounds with more IOPS | CPU per request, median of rounds |")
+print("|---|---|---|---|")
+for b, runs in zip(bins[1:], every[1:]):
+    iops = [x[0] / y[0] for x, y in zip(runs, every[0])]
+    cpu = [x[2] / y[2] for x, y in zip(runs, every[0])]
+    print(f"| {b.split('/')[-1]} | {statistics.median(iops):.3f} | {sum(r > 1 for r in iops)} of {rounds} | {statistics.median(cpu):.3f} |")
 PY
