@@ -21,17 +21,17 @@ import (
 // never blocks, whether the socket is non-blocking, as every socket in
 // Go's network poller is, or blocking, as one out of it is (ownSocket):
 // when it cannot go on it returns EAGAIN, and the goroutine waits in the
-// poller (syscall.RawConn, under the
-// connection's deadlines) just as net.Conn's Read and Write wait. What
-// those add is the scheduler's entry and exit around each call, so that it
-// can hand the P to another thread if the call blocks. For a call that
-// cannot block that costs only time, and one thing more: entering a system
-// call wakes sysmon if it had gone to sleep because every P was idle, and
-// a woken sysmon polls every 20 µs while the server is busy; at queue depth
-// 1 the server goes idle between requests (docs/architecture.md, "System
-// calls, threads and io_uring", has what this saves). Device calls, which
-// can block (a page-cache miss, dirty-page throttling, fdatasync), stay
-// ordinary system calls.
+// poller (syscall.RawConn, under the connection's deadlines) just as
+// net.Conn's Read and Write wait. What those add is the scheduler's entry
+// and exit around each call, so that it can hand the P to another thread
+// if the call blocks. For a call that cannot block that costs only time,
+// and one thing more: entering a system call wakes sysmon if it had gone
+// to sleep because every P was idle, and a woken sysmon polls every 20 µs
+// while the server is busy; at queue depth 1 the server goes idle between
+// requests (docs/architecture.md, "System calls, threads and io_uring",
+// has what this saves). Device calls, which can block (a page-cache miss,
+// dirty-page throttling, fdatasync), stay ordinary system calls, and so
+// does the wait of a read out of the poller in recv(2) (recvWait).
 //
 // The race detector does not see the kernel fill a read buffer here, as it
 // does for syscall.Read; the buffers are the conn's own (bufio), used
@@ -59,9 +59,9 @@ type rawSocket struct {
 	raddr    net.Addr
 	linger   atomic.Int64 // a time.Duration; 0: wait in the poller at once
 	waits    atomic.Uint64
-	// ownLinger is how long a read out of the poller waits in recv(2)
-	// before it waits in poll(2) (recvWait): lingerTime, which tests
-	// change before the socket leaves the poller.
+	// ownLinger is how long a lingering read out of the poller waits in
+	// recv(2) before it waits in poll(2) (recvWait): lingerTime, which
+	// tests change before the socket leaves the poller.
 	ownLinger time.Duration
 
 	// mu is held shared by every call on the socket, and exclusively to
