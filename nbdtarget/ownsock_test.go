@@ -98,24 +98,32 @@ func TestOutOfPollerWakes(t *testing.T) {
 	}
 
 	read = waitingRead(t, rs)
-	write := make(chan error, 1)
-	go func() {
-		p := make([]byte, 1<<20)
-		for {
-			if _, err := rs.Write(p); err != nil {
-				write <- err
-				return
-			}
-		}
-	}()
-	// The client reads nothing: the write fills its socket and waits.
-	nbdtest.Until(t, "the socket to fill", func() bool { return queued(t, client) >= 64<<10 })
+	write := fillingWrite(t, rs, client)
 	rs.Close()
 	for what, errs := range map[string]<-chan error{"a waiting read": read, "a waiting write": write} {
 		if err := recvErr(t, errs, what+" of a socket closed"); !errors.Is(err, net.ErrClosed) {
 			t.Fatalf("%s of a socket closed: %v", what, err)
 		}
 	}
+}
+
+// fillingWrite starts writes to rs until one fails, and returns that
+// failure's channel once they have filled the socket: the client reads
+// nothing, so the write under way waits for room.
+func fillingWrite(t *testing.T, rs *rawSocket, client net.Conn) <-chan error {
+	t.Helper()
+	errs := make(chan error, 1)
+	go func() {
+		p := make([]byte, 1<<20)
+		for {
+			if _, err := rs.Write(p); err != nil {
+				errs <- err
+				return
+			}
+		}
+	}()
+	nbdtest.Until(t, "the socket to fill", func() bool { return queued(t, client) >= 64<<10 })
+	return errs
 }
 
 // queued is how many bytes wait in nc's socket to be read (SIOCINQ).
@@ -231,16 +239,7 @@ func TestOutOfPollerReadWaitsInRecv(t *testing.T) {
 	}
 
 	rs.linger.Store(int64(lingerTime)) // as conn.serial has it
-	got := make(chan string, 1)
-	go func() {
-		buf := make([]byte, 16)
-		n, err := rs.Read(buf)
-		if err != nil {
-			got <- err.Error()
-			return
-		}
-		got <- string(buf[:n])
-	}()
+	got := readString(rs)
 	var tid int
 	nbdtest.Until(t, "the read to wait in recvfrom", func() bool {
 		tid = threadIn(t, unix.SYS_RECVFROM, fd)
@@ -280,17 +279,7 @@ func TestOutOfPollerWriteWaitsInPoll(t *testing.T) {
 		t.Fatal("an idle socket did not leave the poller")
 	}
 	fd := rs.own.fd
-	write := make(chan error, 1)
-	go func() {
-		p := make([]byte, 1<<20)
-		for {
-			if _, err := rs.Write(p); err != nil {
-				write <- err
-				return
-			}
-		}
-	}()
-	nbdtest.Until(t, "the socket to fill", func() bool { return queued(t, client) >= 64<<10 })
+	write := fillingWrite(t, rs, client)
 	var sending bool
 	nbdtest.Until(t, "the write to wait", func() bool {
 		sending = threadIn(t, unix.SYS_SENDTO, fd) != 0

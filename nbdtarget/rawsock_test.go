@@ -218,6 +218,20 @@ func TestRawSocketLingersOnItsThread(t *testing.T) {
 	rs, client := rawSocketPair(t)
 	rs.linger.Store(int64(nbdtest.Bound))
 	rs.SetReadDeadline(time.Now().Add(5 * time.Millisecond))
+	got := readString(rs)
+	nbdtest.Until(t, "the read to find the socket empty", func() bool { return rs.waits.Load() == 1 })
+	time.Sleep(50 * time.Millisecond) // past the deadline: only a read still in poll(2) can take what comes now
+	if _, err := client.Write([]byte("late")); err != nil {
+		t.Fatal(err)
+	}
+	if g := nbdtest.Recv(t, got, "the lingering read"); g != "late" {
+		t.Fatalf("lingering read: %q, want late (it did not wait on its thread)", g)
+	}
+}
+
+// readString starts a read of up to 16 bytes from rs and returns the
+// channel that gets what it read, or its error's text.
+func readString(rs *rawSocket) <-chan string {
 	got := make(chan string, 1)
 	go func() {
 		buf := make([]byte, 16)
@@ -228,14 +242,7 @@ func TestRawSocketLingersOnItsThread(t *testing.T) {
 		}
 		got <- string(buf[:n])
 	}()
-	nbdtest.Until(t, "the read to find the socket empty", func() bool { return rs.waits.Load() == 1 })
-	time.Sleep(50 * time.Millisecond) // past the deadline: only a read still in poll(2) can take what comes now
-	if _, err := client.Write([]byte("late")); err != nil {
-		t.Fatal(err)
-	}
-	if g := nbdtest.Recv(t, got, "the lingering read"); g != "late" {
-		t.Fatalf("lingering read: %q, want late (it did not wait on its thread)", g)
-	}
+	return got
 }
 
 // drained says whether the socket holds bytes no read has taken, on a unix
