@@ -27,7 +27,7 @@ func (o memOpener) Open(name string) (backing.Device, error) {
 
 // parseSet parses NAME=TABLE specs as one set of mapped devices over devs,
 // sharing one flush and one discard engine.
-func parseSet(t *testing.T, devs memOpener, specs ...string) []*mapped.Device {
+func parseSet(t testing.TB, devs memOpener, specs ...string) []*mapped.Device {
 	t.Helper()
 	var defs []table.Def
 	for _, s := range specs {

@@ -31,7 +31,7 @@ func BenchmarkWrite4KLayers(b *testing.B) {
 	defer file.Close()
 	holeMap := backing.NewHoleMap(file)
 	tracked := flush.New().Track(holeMap)
-	x := parseSet(&testing.T{}, memOpener{"f": tracked}, "x=0 131072 linear f 0\n")[0]
+	x := parseSet(b, memOpener{"f": tracked}, "x=0 131072 linear f 0\n")[0]
 
 	p := make([]byte, 4096)
 	for _, bc := range []struct {

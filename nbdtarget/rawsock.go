@@ -131,14 +131,17 @@ func (r *sockCall) read(fd uintptr) bool {
 		case unix.EINTR:
 			continue
 		case unix.EAGAIN:
+			// A lingering read waits on its thread: in poll(2) in the
+			// poller, in recv(2) out of it.
+			linger, out := time.Duration(r.s.linger.Load()), r.s.own != nil
 			if !r.waited {
 				r.waited = true
 				r.s.waits.Add(1)
-				if d := time.Duration(r.s.linger.Load()); d > 0 && r.s.own == nil && readable(fd, d) {
+				if linger > 0 && !out && readable(fd, linger) {
 					continue
 				}
 			}
-			if r.s.own != nil && r.s.linger.Load() > 0 {
+			if linger > 0 && out {
 				return r.recvWait(fd)
 			}
 			return false // wait until the socket is readable
