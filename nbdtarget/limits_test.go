@@ -431,6 +431,28 @@ func TestJoinRemovedExport(t *testing.T) {
 	}
 }
 
+// A client that has seen its connection end (after NBD_CMD_DISC, as
+// `nbdsh` and `nbd-client -d` leave) can remove the export at once: the
+// connection counts out of it before its socket closes.
+func TestRemoveAfterDisconnect(t *testing.T) {
+	f := newTFix(t, nil)
+	for i := range 20 {
+		x := newExport(t, fmt.Sprintf("x%d", i), seg{len: 64 * kb, dev: backing.NewMem("e", 64*kb)})
+		if err := f.srv.AddExport(x); err != nil {
+			t.Fatal(err)
+		}
+		c := dialRaw(t, f.sock)
+		c.connect(x.Name, false, false)
+		c.request(cmdDisc, 0, 0, 0, 0, nil)
+		if !c.closed() {
+			t.Fatal("the server sent something after NBD_CMD_DISC")
+		}
+		if _, err := f.srv.RemoveExport(x.Name, false); err != nil {
+			t.Fatalf("round %d: removing the export after its client saw the connection end: %v", i, err)
+		}
+	}
+}
+
 func TestAddRemoveExport(t *testing.T) {
 	f := newTFix(t, nil)
 	extra := newExport(t, "extra", seg{len: 64 * kb, dev: backing.NewMem("e", 64*kb)})

@@ -309,7 +309,9 @@ func (s *Server) AddExport(x *Export) error {
 // RemoveExport stops serving the export called name and returns it. With
 // clients connected it fails with ErrExportBusy, unless force: then their
 // connections stop reading requests, finish those in flight, reply, and
-// close, and RemoveExport returns once they have.
+// close, and RemoveExport returns once they have finished. A connection
+// counts out of its export before it closes its socket, so a client that
+// has seen its connection end finds the export free (`nbdsh ...; remove`).
 func (s *Server) RemoveExport(name string, force bool) (*Export, error) {
 	s.init()
 	s.mu.Lock()

@@ -128,7 +128,10 @@ func (c *conn) serve() {
 	}
 	x, err := c.handshake()
 	if c.st != nil {
-		defer c.left() // joined in the handshake, whatever came after
+		// Joined in the handshake, whatever came after. Deferred after
+		// close, so it runs first: the export is free by the time the
+		// client sees the connection end (RemoveExport).
+		defer c.left()
 	}
 	if err == nil {
 		// Cleared before stopped is read, so a Shutdown that races with the
