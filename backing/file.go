@@ -245,37 +245,51 @@ func (d *File) blockRange(req uint, off, n int64) error {
 // Holes finds holes with SEEK_HOLE/SEEK_DATA. A hole that starts before off
 // or runs past off+n is clipped to the range.
 func (d *File) Holes(off, n int64) ([]Range, error) {
+	holes, _, err := d.HolesTo(off, n)
+	return holes, err
+}
+
+// HolesTo is Holes that also says how far its answer reaches: [off+n,
+// known) holds no hole. SEEK_HOLE finds the next hole wherever it is, so
+// when it finds none in the range it has found how far the data after the
+// range runs (to the file's end, if there is no other hole), which costs
+// tmpfs a walk of every page of that data (see HoleMap.window).
+func (d *File) HolesTo(off, n int64) (holes []Range, known int64, err error) {
+	end := off + n
 	if d.block {
-		return nil, nil
+		return nil, end, nil
 	}
 	s, err := d.enter("lseek")
 	if err != nil {
-		return nil, err
+		return nil, end, err
 	}
 	defer d.exit(s)
-	var holes []Range
-	end := off + n
+	known = end
 	for pos := off; pos < end; {
 		hole, err := unix.Seek(d.fd, pos, unix.SEEK_HOLE)
-		if errors.Is(err, unix.ENXIO) || hole >= end {
+		if errors.Is(err, unix.ENXIO) {
 			break
 		}
 		if err != nil {
 			if errors.Is(err, unix.EINVAL) { // filesystem without SEEK_HOLE
-				return nil, nil
+				return nil, end, nil
 			}
-			return nil, err
+			return nil, end, err
+		}
+		if hole >= end {
+			known = min(hole, d.size)
+			break
 		}
 		data, err := unix.Seek(d.fd, hole, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) || data > end { // hole runs to EOF
 			data = end
 		} else if err != nil {
-			return nil, err
+			return nil, end, err
 		}
 		holes = append(holes, Range{Off: hole, Len: data - hole})
 		pos = data
 	}
-	return holes, nil
+	return holes, max(known, end), nil
 }
 
 // ioctlPtr passes a pointer argument; x/sys/unix has typed helpers for

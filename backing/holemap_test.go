@@ -514,6 +514,59 @@ func TestHoleMapFile(t *testing.T) {
 
 func must(r []Range, _ error) []Range { return r }
 
+// TestHoleMapDataAhead: a question about a file that finds no hole in its
+// range also finds how far the data runs (SEEK_HOLE), and the map keeps
+// the chunks up to there as data, so that reads of them ask nothing more;
+// never as holes, and never over a chunk it knows.
+func TestHoleMapDataAhead(t *testing.T) {
+	const size = 40*holeChunk + 1000 // a short last chunk
+	f := openSparse(t, size)
+	if _, err := f.WriteAt(fill(20*holeChunk, 1), 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(fill(16*holeChunk+1000, 2), 24*holeChunk); err != nil {
+		t.Fatal(err)
+	}
+	if holes, err := f.Holes(0, size); err != nil || !slices.Equal(holes, []Range{{20 * holeChunk, 4 * holeChunk}}) {
+		t.Skipf("file system does not report the hole written around: %v %v", holes, err)
+	}
+	h := NewHoleMap(f)
+	queries := func(want uint64, ahead uint64) {
+		t.Helper()
+		if st := h.Stats(); st.Queries != want || st.Ahead != ahead {
+			t.Fatalf("%d questions to the file, %d chunks kept ahead; want %d and %d (%+v)", st.Queries, st.Ahead, want, ahead, st)
+		}
+	}
+	mustData(t, h, 2*holeChunk, fill(4096, 1))
+	queries(1, 17) // chunks 3-19
+	for c := int64(3); c < 20; c++ {
+		mustData(t, h, c*holeChunk+8192, fill(4096, 1))
+	}
+	queries(1, 17)
+	mustData(t, h, 0, fill(4096, 1)) // chunk 1 too; 2 and up are known
+	queries(2, 18)
+	mustData(t, h, holeChunk, fill(4096, 1))
+	queries(2, 18)
+
+	mustHole(t, h, 20*holeChunk, 4*holeChunk) // no data after the range: nothing ahead
+	queries(3, 18)
+	mustData(t, h, 30*holeChunk, fill(4096, 2)) // up to the end of the file
+	queries(4, 28)
+	mustData(t, h, size-1000, fill(1000, 2))
+	mustData(t, h, 25*holeChunk, fill(4096, 2)) // before that question: asked, and 26-29 kept
+	queries(5, 32)
+
+	// A chunk known as holes stays so: what the map knows is never
+	// overwritten by data ahead of a question.
+	h2 := NewHoleMap(f)
+	mustHole(t, h2, 20*holeChunk, holeChunk)
+	mustData(t, h2, 0, fill(4096, 1))
+	mustHole(t, h2, 20*holeChunk, 4*holeChunk)
+	if st := h2.Stats(); st.Ahead != 19 || st.Queries != 3 {
+		t.Fatalf("second map: %+v", st)
+	}
+}
+
 // TestHoleMapConcurrent: writers, each owning some 4 KiB blocks, write,
 // discard and zero them and read each back after its change is
 // acknowledged, while readers keep asking about every chunk (so that
