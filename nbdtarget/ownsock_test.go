@@ -267,6 +267,55 @@ func TestOutOfPollerReadWaitsInRecv(t *testing.T) {
 	}
 }
 
+// A lingering read out of the poller goes straight into recv(2), whether
+// the socket holds something or not: no probe finds it empty first, which
+// cost serial mode a system call per request. It counts a wait only once
+// the recv has timed out, and then waits in poll(2).
+func TestOutOfPollerReadSkipsTheProbe(t *testing.T) {
+	rs, client := rawSocketPair(t)
+	t.Cleanup(func() { rs.Close() })
+	rs.ownLinger = nbdtest.Bound
+	if !rs.leave() {
+		t.Fatal("an idle socket did not leave the poller")
+	}
+	rs.linger.Store(int64(lingerTime)) // as conn.serial has it
+	fd := rs.own.fd
+	for i := range 10 {
+		var got <-chan string
+		if i%2 == 0 { // the request comes while the read waits
+			got = readString(rs)
+			nbdtest.Until(t, "the read to wait in recvfrom", func() bool { return threadIn(t, unix.SYS_RECVFROM, fd) != 0 })
+			client.Write([]byte("x"))
+		} else { // the request is there before the read
+			client.Write([]byte("x"))
+			got = readString(rs)
+		}
+		if g := nbdtest.Recv(t, got, "the read"); g != "x" {
+			t.Fatalf("read %d: %q, want x", i, g)
+		}
+	}
+	if n := rs.waits.Load(); n != 0 {
+		t.Fatalf("%d reads found the socket empty before waiting in recv, want none", n)
+	}
+
+	// With the receive timeout the socket has out of the poller.
+	rs2, client2 := rawSocketPair(t)
+	t.Cleanup(func() { rs2.Close() })
+	if !rs2.leave() {
+		t.Fatal("an idle socket did not leave the poller")
+	}
+	rs2.linger.Store(int64(lingerTime))
+	got := readString(rs2)
+	nbdtest.Until(t, "the read to time out of recv and wait in ppoll", func() bool { return threadIn(t, unix.SYS_PPOLL, -1) != 0 })
+	if n := rs2.waits.Load(); n != 1 {
+		t.Fatalf("a read whose recv timed out counted %d waits, want 1", n)
+	}
+	client2.Write([]byte("y"))
+	if g := nbdtest.Recv(t, got, "the read"); g != "y" {
+		t.Fatalf("read after the timeout: %q, want y", g)
+	}
+}
+
 // A write out of the poller that finds the socket full waits in poll(2),
 // though the descriptor is blocking: its send(2) does not block (rawIO's
 // MSG_DONTWAIT). One that blocked would hold its P, a raw call, until the

@@ -50,8 +50,9 @@ import (
 // the P, sysmon hands it on after 20 µs, as for any blocking call.
 //
 // A rawSocket can also leave the poller altogether (leave, and rejoin to
-// come back): see ownSocket. There a lingering read waits in recv(2)
-// itself (recvWait), and one that does not linger in poll(2).
+// come back): see ownSocket. There a lingering read goes straight into
+// recv(2) (recvWait), counted as a wait only if that times out, and one
+// that does not linger waits in poll(2).
 type rawSocket struct {
 	net.Conn                 // as accepted, or as rejoin made it; closed while out of the poller
 	rc       syscall.RawConn // Conn's descriptor
@@ -125,6 +126,18 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 
 // read is a Read's attempt, which the socket's RawConn runs (fn).
 func (r *sockCall) read(fd uintptr) bool {
+	if !r.waited && r.s.own != nil && r.s.linger.Load() > 0 && r.s.rdl.Load() == 0 {
+		// Out of the poller a lingering read goes straight into recv(2),
+		// which returns at once what the socket holds: a probe first would
+		// cost a system call per request and tell serial mode nothing it
+		// does not know from replyFirst. Timed out, it counts as a wait.
+		r.waited = true
+		if r.recvWait(fd) {
+			return true
+		}
+		r.s.waits.Add(1)
+		return false // wait in poll(2)
+	}
 	for {
 		r.n, r.errno = rawIO(unix.SYS_RECVFROM, fd, r.p, unix.MSG_DONTWAIT)
 		switch r.errno {
