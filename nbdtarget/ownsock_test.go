@@ -78,11 +78,7 @@ func recvErr(t *testing.T, errs <-chan error, what string) error {
 // meanwhile (Shutdown stops a connection's reader so), and a waiting read
 // and a write waiting for room both end when the socket is closed.
 func TestOutOfPollerWakes(t *testing.T) {
-	rs, client := rawSocketPair(t)
-	t.Cleanup(func() { rs.Close() })
-	if !rs.leave() {
-		t.Fatal("an idle socket did not leave the poller")
-	}
+	rs, client := outOfPoller(t, lingerTime)
 	read := waitingRead(t, rs)
 	rs.SetReadDeadline(time.Now())
 	if err := recvErr(t, read, "a waiting read given a deadline"); !errors.Is(err, os.ErrDeadlineExceeded) {
@@ -215,12 +211,7 @@ func TestDeadlinesFollowTheSocket(t *testing.T) {
 // poll(2). Back in the poller the descriptor is non-blocking and untimed
 // again.
 func TestOutOfPollerReadWaitsInRecv(t *testing.T) {
-	rs, client := rawSocketPair(t)
-	t.Cleanup(func() { rs.Close() })
-	rs.ownLinger = nbdtest.Bound
-	if !rs.leave() {
-		t.Fatal("an idle socket did not leave the poller")
-	}
+	rs, client := outOfPoller(t, nbdtest.Bound)
 	fd := rs.own.fd
 	if nonblock, timeout := descriptorMode(t, fd); nonblock || timeout != nbdtest.Bound {
 		t.Fatalf("out of the poller: non-blocking %v, recv timeout %v; want blocking, %v", nonblock, timeout, nbdtest.Bound)
@@ -272,12 +263,7 @@ func TestOutOfPollerReadWaitsInRecv(t *testing.T) {
 // cost serial mode a system call per request. It counts a wait only once
 // the recv has timed out, and then waits in poll(2).
 func TestOutOfPollerReadSkipsTheProbe(t *testing.T) {
-	rs, client := rawSocketPair(t)
-	t.Cleanup(func() { rs.Close() })
-	rs.ownLinger = nbdtest.Bound
-	if !rs.leave() {
-		t.Fatal("an idle socket did not leave the poller")
-	}
+	rs, client := outOfPoller(t, nbdtest.Bound)
 	rs.linger.Store(int64(lingerTime)) // as conn.serial has it
 	fd := rs.own.fd
 	for i := range 10 {
@@ -299,11 +285,7 @@ func TestOutOfPollerReadSkipsTheProbe(t *testing.T) {
 	}
 
 	// With the receive timeout the socket has out of the poller.
-	rs2, client2 := rawSocketPair(t)
-	t.Cleanup(func() { rs2.Close() })
-	if !rs2.leave() {
-		t.Fatal("an idle socket did not leave the poller")
-	}
+	rs2, client2 := outOfPoller(t, lingerTime)
 	rs2.linger.Store(int64(lingerTime))
 	got := readString(rs2)
 	nbdtest.Until(t, "the read to time out of recv and wait in ppoll", func() bool { return threadIn(t, unix.SYS_PPOLL, -1) != 0 })
@@ -322,11 +304,7 @@ func TestOutOfPollerReadSkipsTheProbe(t *testing.T) {
 // client read, and the garbage collector would wait for it to stop the
 // world.
 func TestOutOfPollerWriteWaitsInPoll(t *testing.T) {
-	rs, client := rawSocketPair(t)
-	t.Cleanup(func() { rs.Close() })
-	if !rs.leave() {
-		t.Fatal("an idle socket did not leave the poller")
-	}
+	rs, client := outOfPoller(t, lingerTime)
 	fd := rs.own.fd
 	write := fillingWrite(t, rs, client)
 	var sending bool
@@ -341,6 +319,19 @@ func TestOutOfPollerWriteWaitsInPoll(t *testing.T) {
 	if err := recvErr(t, write, "the write"); !errors.Is(err, net.ErrClosed) {
 		t.Fatalf("the write of a socket closed: %v", err)
 	}
+}
+
+// outOfPoller returns a connected rawSocket taken out of the poller, whose
+// lingering reads wait in recv(2) for up to ownLinger, and its client.
+func outOfPoller(t *testing.T, ownLinger time.Duration) (*rawSocket, net.Conn) {
+	t.Helper()
+	rs, client := rawSocketPair(t)
+	t.Cleanup(func() { rs.Close() })
+	rs.ownLinger = ownLinger
+	if !rs.leave() {
+		t.Fatal("an idle socket did not leave the poller")
+	}
+	return rs, client
 }
 
 // descriptorMode is whether the socket fd is non-blocking, and its
