@@ -75,8 +75,9 @@ func TestDevicesLetGo(t *testing.T) {
 			t.Fatalf("round %d: files held after remove: %v, want [keep.img]", round, got)
 		}
 		// The control connection that carried the remove closes after
-		// its reply, so the count may take a moment to come down; a
-		// descriptor the device leaked never does.
+		// its reply, and nbdsh's connection closes just after it counts
+		// out of the export, so the count may take a moment to come
+		// down; a descriptor the device leaked never does.
 		nbdtest.Until(t, fmt.Sprintf("round %d: the descriptors to come down to at most %d", round, fds), func() bool {
 			_, n := heldFiles(t, s.PID())
 			return n <= fds
