@@ -266,14 +266,20 @@ func TestOutOfPollerReadSkipsTheProbe(t *testing.T) {
 	rs, client := outOfPoller(t, nbdtest.Bound)
 	rs.linger.Store(int64(lingerTime)) // as conn.serial has it
 	fd := rs.own.fd
+	send := func(c net.Conn, s string) {
+		t.Helper()
+		if _, err := c.Write([]byte(s)); err != nil {
+			t.Fatal(err)
+		}
+	}
 	for i := range 10 {
 		var got <-chan string
 		if i%2 == 0 { // the request comes while the read waits
 			got = readString(rs)
 			nbdtest.Until(t, "the read to wait in recvfrom", func() bool { return threadIn(t, unix.SYS_RECVFROM, fd) != 0 })
-			client.Write([]byte("x"))
+			send(client, "x")
 		} else { // the request is there before the read
-			client.Write([]byte("x"))
+			send(client, "x")
 			got = readString(rs)
 		}
 		if g := nbdtest.Recv(t, got, "the read"); g != "x" {
@@ -292,7 +298,7 @@ func TestOutOfPollerReadSkipsTheProbe(t *testing.T) {
 	if n := rs2.waits.Load(); n != 1 {
 		t.Fatalf("a read whose recv timed out counted %d waits, want 1", n)
 	}
-	client2.Write([]byte("y"))
+	send(client2, "y")
 	if g := nbdtest.Recv(t, got, "the read"); g != "y" {
 		t.Fatalf("read after the timeout: %q, want y", g)
 	}
