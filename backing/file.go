@@ -276,7 +276,7 @@ func (d *File) HolesTo(off, n int64) (holes []Range, known int64, err error) {
 			}
 			return nil, end, err
 		}
-		if hole >= end {
+		if hole >= end { // the data at pos runs past the range, to hole
 			known = min(hole, d.size)
 			break
 		}
@@ -289,7 +289,7 @@ func (d *File) HolesTo(off, n int64) (holes []Range, known int64, err error) {
 		holes = append(holes, Range{Off: hole, Len: data - hole})
 		pos = data
 	}
-	return holes, max(known, end), nil
+	return holes, known, nil
 }
 
 // ioctlPtr passes a pointer argument; x/sys/unix has typed helpers for

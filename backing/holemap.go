@@ -443,8 +443,9 @@ func (h *HoleMap) holesTo(off, n int64) (holes []Range, known int64, err error) 
 // since the question only makes it stale the safe way, so neither the
 // generations nor writes in flight matter here. h.mu must be held.
 func (h *HoleMap) dataAhead(from, to int64) {
-	for c, n := from/holeChunk, 0; n < len(h.slots) && c*holeChunk < h.size && min(h.size, (c+1)*holeChunk) <= to; c, n = c+1, n+1 {
-		if s := &h.slots[c&h.mask]; s.chunk == 0 && c*holeChunk >= from {
+	first := (from + holeChunk - 1) / holeChunk // the first chunk that starts in [from, to)
+	for c := first; c < first+int64(len(h.slots)) && c*holeChunk < h.size && min(h.size, (c+1)*holeChunk) <= to; c++ {
+		if s := &h.slots[c&h.mask]; s.chunk == 0 {
 			s.chunk, s.holes = c+1, 0
 			h.st.Ahead++
 		}

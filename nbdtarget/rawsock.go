@@ -144,18 +144,14 @@ func (r *sockCall) read(fd uintptr) bool {
 		case unix.EINTR:
 			continue
 		case unix.EAGAIN:
-			// A lingering read waits on its thread: in poll(2) in the
-			// poller, in recv(2) out of it.
-			linger, out := time.Duration(r.s.linger.Load()), r.s.own != nil
 			if !r.waited {
 				r.waited = true
 				r.s.waits.Add(1)
-				if linger > 0 && !out && readable(fd, linger) {
+				// In the poller a lingering read waits in poll(2) on its
+				// thread first; out of it, it waited in recv(2) above.
+				if d := time.Duration(r.s.linger.Load()); d > 0 && r.s.own == nil && readable(fd, d) {
 					continue
 				}
-			}
-			if linger > 0 && out {
-				return r.recvWait(fd)
 			}
 			return false // wait until the socket is readable
 		}
@@ -163,13 +159,13 @@ func (r *sockCall) read(fd uintptr) bool {
 	}
 }
 
-// recvWait waits for the socket out of the poller, for a lingering read,
-// in a blocking recv(2), an ordinary system call, which returns what comes
-// as soon as it comes: no other wait takes a request from the client with
-// fewer system calls (ownSocket). The descriptor times the recv out after
-// ownLinger (SO_RCVTIMEO); then, or with a read deadline set, recvWait
-// returns false and the read waits in poll(2), under the deadline and the
-// kick.
+// recvWait is a lingering read's wait out of the poller: a blocking
+// recv(2), an ordinary system call, which returns what the socket holds or
+// what comes as soon as it comes: no other wait takes a request from the
+// client with fewer system calls (ownSocket). The descriptor times the
+// recv out after ownLinger (SO_RCVTIMEO); then, or with a read deadline
+// set, recvWait returns false and the read waits in poll(2), under the
+// deadline and the kick.
 func (r *sockCall) recvWait(fd uintptr) bool {
 	for r.s.rdl.Load() == 0 {
 		n, _, e := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&r.p[0])), uintptr(len(r.p)), 0, 0, 0)
