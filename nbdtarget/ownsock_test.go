@@ -1,11 +1,14 @@
 package nbdtarget
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -304,6 +307,184 @@ func TestOutOfPollerReadSkipsTheProbe(t *testing.T) {
 	}
 }
 
+// Out of the poller, ReadWhole waits for all of its bytes in one recv(2)
+// with MSG_WAITALL: with half of them taken, the same call waits on for
+// the rest. A signal ends the call: one that had taken nothing waits in
+// poll(2), not counted as a wait (nothing was found missing), and one that
+// had taken some goes on for the rest. A recv that times out with nothing
+// counts a wait and waits in poll(2); a stream that ends short of p is an
+// unexpected EOF. In the poller ReadWhole reads what comes until p is full.
+func TestOutOfPollerReadWhole(t *testing.T) {
+	want := make([]byte, 1<<20)
+	for i := range want {
+		want[i] = byte(i * 7 / 4096)
+	}
+	half := len(want) / 2
+	readWhole := func(rs *rawSocket, p []byte) <-chan error {
+		errs := make(chan error, 1)
+		go func() { errs <- rs.ReadWhole(p) }()
+		return errs
+	}
+	write := func(c net.Conn, p []byte) {
+		t.Helper()
+		if _, err := c.Write(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	signal := func(tid int) {
+		t.Helper()
+		if err := unix.Tgkill(os.Getpid(), tid, unix.SIGURG); err != nil {
+			t.Fatal(err)
+		}
+		nbdtest.Until(t, "the signal to be taken", func() bool { return !signalPending(t, tid, unix.SIGURG) })
+	}
+
+	rs, client := outOfPoller(t, nbdtest.Bound)
+	fd := rs.own.fd
+	p := make([]byte, len(want))
+	done := readWhole(rs, p)
+	var tid int
+	nbdtest.Until(t, "the read to wait in one recv for all of p", func() bool {
+		tid = threadAt(t, recvCall(fd, p, unix.MSG_WAITALL))
+		return tid != 0
+	})
+	signal(tid)
+	nbdtest.Until(t, "the read ended by the signal to wait in ppoll", func() bool { return threadIn(t, unix.SYS_PPOLL, -1) != 0 })
+	write(client, want[:half])
+	nbdtest.Until(t, "the first half to be taken", func() bool {
+		inq, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+		return err == nil && inq == 0 && threadAt(t, recvCall(fd, p, unix.MSG_WAITALL)) != 0
+	})
+	tid = threadAt(t, recvCall(fd, p, unix.MSG_WAITALL))
+	signal(tid)
+	nbdtest.Until(t, "the read to wait in one recv for the rest", func() bool {
+		return threadAt(t, recvCall(fd, p[half:], unix.MSG_WAITALL)) != 0
+	})
+	write(client, want[half:])
+	if err := recvErr(t, done, "the read"); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p, want) {
+		t.Fatal("ReadWhole out of the poller read other bytes than were sent")
+	}
+	if n := rs.waits.Load(); n != 0 {
+		t.Fatalf("ReadWhole counted %d waits, want none: its recv never timed out", n)
+	}
+
+	// With the receive timeout the socket has out of the poller.
+	rs2, client2 := outOfPoller(t, lingerTime)
+	p2 := make([]byte, half)
+	done = readWhole(rs2, p2)
+	nbdtest.Until(t, "the read to time out of recv and wait in ppoll", func() bool {
+		return rs2.waits.Load() == 1 && threadIn(t, unix.SYS_PPOLL, -1) != 0
+	})
+	write(client2, want[:half])
+	if err := recvErr(t, done, "the read after the timeout"); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p2, want[:half]) {
+		t.Fatal("ReadWhole after a timeout read other bytes than were sent")
+	}
+	done = readWhole(rs2, p2)
+	write(client2, want[:100])
+	client2.Close()
+	if err := recvErr(t, done, "the read of a stream that ends"); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Fatalf("ReadWhole of a stream that ends short: %v, want %v", err, io.ErrUnexpectedEOF)
+	}
+
+	rs3, client3 := rawSocketPair(t)
+	done = readWhole(rs3, p2)
+	for i := 0; i < half; i += half / 4 {
+		write(client3, want[i:i+half/4])
+	}
+	if err := recvErr(t, done, "the read in the poller"); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p2, want[:half]) {
+		t.Fatal("ReadWhole in the poller read other bytes than were sent")
+	}
+}
+
+// The reader of a lone connection writing in bulk, whose socket is then
+// out of the poller, takes a payload in one recv(2) for all of it
+// (conn.readWhole): with the first half of a 1 MiB payload taken, the same
+// call waits on for the rest. On a crowded server it does not hold its P
+// waiting: it waits in poll(2) between pieces. (Crowded is set here by
+// hand, as more connections than Ps would set it, so that the test keeps a
+// P to watch the reader from: with one P, a reader holding it would stop
+// the test too.)
+func TestBulkPayloadInOneRecv(t *testing.T) {
+	const mb = 1 << 20
+	for _, crowded := range []bool{false, true} {
+		t.Run(fmt.Sprintf("crowded %v", crowded), func(t *testing.T) {
+			defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(2))
+			var log activeLog
+			srv, c := log.serve(t, false)
+			payload := make([]byte, mb)
+			h := uint64(0)
+			write := func() {
+				t.Helper()
+				h++
+				c.request(cmdWrite, 0, h, 0, mb, payload)
+				if got, errno, _ := c.simple(0); got != h || errno != 0 {
+					t.Fatalf("write %d: reply %d, errno %d", h, got, errno)
+				}
+			}
+			for range bulkScore {
+				write()
+			}
+			rs := onlySocket(t, srv)
+			if !rs.outside() {
+				t.Fatal("a lone connection writing in bulk is in the poller")
+			}
+			if srv.crowded.Load() {
+				t.Fatal("one connection crowds a server with two Ps")
+			}
+			srv.crowded.Store(crowded)
+
+			for i := range payload {
+				payload[i] = byte(i / 4096)
+			}
+			h++
+			half := mb / 2
+			c.write(append(encodeRequest(nil, request{Type: cmdWrite, Handle: h, Length: mb}), payload[:half]...))
+			fd := rs.own.fd
+			var call []string // the reader's recvfrom: fd, buffer, length, flags
+			nbdtest.Until(t, "the reader to take the first half and wait", func() bool {
+				inq, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+				if err != nil || inq != 0 {
+					return false
+				}
+				if tid := threadIn(t, unix.SYS_RECVFROM, fd); tid != 0 {
+					call = strings.Fields(threadSyscall(t, tid))[1:5]
+					return true
+				}
+				return threadIn(t, unix.SYS_PPOLL, -1) != 0
+			})
+			waitAll := fmt.Sprintf("0x%x", unix.MSG_WAITALL)
+			switch {
+			case crowded && call != nil && call[3] == waitAll:
+				t.Fatalf("crowded, the reader waits for the payload in recvfrom %v, holding its P", call)
+			case !crowded && (call == nil || call[3] != waitAll):
+				t.Fatalf("the reader waits for the payload's second half in %v, not in one recvfrom for all of it", call)
+			case !crowded:
+				if n, err := strconv.ParseUint(call[2], 0, 64); err != nil || n <= uint64(mb-half) {
+					t.Fatalf("the reader's recvfrom %v asks for no more than the payload's second half", call)
+				}
+			}
+			c.write(payload[half:])
+			if got, errno, _ := c.simple(0); got != h || errno != 0 {
+				t.Fatalf("the write sent in halves: reply %d, errno %d", got, errno)
+			}
+			h++
+			c.request(cmdRead, 0, h, 0, mb, nil)
+			if got, errno, data := c.simple(mb); got != h || errno != 0 || !bytes.Equal(data, payload) {
+				t.Fatalf("read back: reply %d, errno %d, same bytes %v", got, errno, bytes.Equal(data, payload))
+			}
+		})
+	}
+}
+
 // A write out of the poller that finds the socket full waits in poll(2),
 // though the descriptor is blocking: its send(2) does not block (rawIO's
 // MSG_DONTWAIT). One that blocked would hold its P, a raw call, until the
@@ -367,17 +548,28 @@ func descriptorMode(t *testing.T, fd int) (nonblock bool, timeout time.Duration)
 // fd its first argument (any first argument for fd -1), or 0 if none does.
 func threadIn(t *testing.T, nr, fd int) int {
 	t.Helper()
+	if fd < 0 {
+		return threadAt(t, fmt.Sprintf("%d ", nr))
+	}
+	return threadAt(t, fmt.Sprintf("%d 0x%x ", nr, fd))
+}
+
+// recvCall is how /proc shows a thread in recvfrom(fd, p, len(p), flags).
+func recvCall(fd int, p []byte, flags int) string {
+	return fmt.Sprintf("%d 0x%x 0x%x 0x%x 0x%x ", unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&p[0])), len(p), flags)
+}
+
+// threadAt is a thread of this process whose system call and arguments
+// begin with call, as /proc shows them (threadSyscall), or 0 if none.
+func threadAt(t *testing.T, call string) int {
+	t.Helper()
 	tasks, err := os.ReadDir("/proc/self/task")
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := fmt.Sprintf("%d 0x%x ", nr, fd)
-	if fd < 0 {
-		want = fmt.Sprintf("%d ", nr)
-	}
 	for _, task := range tasks {
 		tid, err := strconv.Atoi(task.Name())
-		if err == nil && strings.HasPrefix(threadSyscall(t, tid), want) {
+		if err == nil && strings.HasPrefix(threadSyscall(t, tid), call) {
 			return tid
 		}
 	}

@@ -51,8 +51,9 @@ import (
 //
 // A rawSocket can also leave the poller altogether (leave, and rejoin to
 // come back): see ownSocket. There a lingering read goes straight into
-// recv(2) (recvWait), counted as a wait only if that times out, and one
-// that does not linger waits in poll(2).
+// recv(2) (recvWait), counted as a wait only if that times out, a
+// ReadWhole waits in one recv(2) for all it reads (recvAll), and any other
+// read waits in poll(2).
 type rawSocket struct {
 	net.Conn                 // as accepted, or as rejoin made it; closed while out of the poller
 	rc       syscall.RawConn // Conn's descriptor
@@ -107,7 +108,36 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 	r := &s.rd
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.p, r.n, r.errno, r.waited = p, 0, 0, false
+	return s.read(p, false)
+}
+
+// ReadWhole reads all of p, as io.ReadFull does. Out of the poller it
+// waits for the whole of p in one recv(2) (recvAll), where Read would take
+// what has come and wait again for the rest: a 1 MiB payload comes in
+// pieces of what the client's send buffer holds (about 200 KiB for a unix
+// socket), and each piece would cost a read, a wait in poll(2) and a
+// wake-up.
+func (s *rawSocket) ReadWhole(p []byte) error {
+	r := &s.rd
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for done := 0; done < len(p); {
+		n, err := s.read(p[done:], true)
+		switch {
+		case err == io.EOF && done > 0:
+			return io.ErrUnexpectedEOF
+		case err != nil:
+			return err
+		}
+		done += n
+	}
+	return nil
+}
+
+// read is Read, or one call of ReadWhole, with s.rd.mu held.
+func (s *rawSocket) read(p []byte, whole bool) (int, error) {
+	r := &s.rd
+	r.p, r.n, r.errno, r.waited, r.whole = p, 0, 0, false, whole
 	err := s.io(false, r.fn)
 	n, errno := r.n, r.errno
 	r.p = nil
@@ -126,6 +156,12 @@ func (s *rawSocket) Read(p []byte) (int, error) {
 
 // read is a Read's attempt, which the socket's RawConn runs (fn).
 func (r *sockCall) read(fd uintptr) bool {
+	if r.whole && r.s.own != nil && r.s.rdl.Load() == 0 {
+		if r.recvAll(fd) {
+			return true
+		}
+		return false // wait in poll(2)
+	}
 	if !r.waited && r.s.own != nil && r.s.linger.Load() > 0 && r.s.rdl.Load() == 0 {
 		// Out of the poller a lingering read goes straight into recv(2),
 		// which returns at once what the socket holds: a probe first would
@@ -184,6 +220,36 @@ func (r *sockCall) recvWait(fd uintptr) bool {
 	return false
 }
 
+// recvAll is ReadWhole's read out of the poller: one blocking recv(2) with
+// MSG_WAITALL, which returns when all of p has come, or after ownLinger
+// (SO_RCVTIMEO) with what has, or on a signal; it returns false, to wait
+// in poll(2), when nothing came (a wait, counted) or a signal came first.
+//
+// Unlike recvWait's, the call is raw: the Go scheduler does not learn
+// that the thread blocks, and the thread keeps its P. conn.readWhole asks
+// for it only where the reader has a P of its own (a connection out of the
+// poller counts twice in Server.OnActive). An ordinary call's P, idle in
+// the wait while the other P copied the last payload into the file, was
+// handed to another thread by sysmon and had to be taken back after the
+// call: fio's 1M writes so made 0.93 of the MiB/s at 1.15 of the CPU per
+// request (docs/benchmarks.md, "A payload in one recv"). A raw call holds
+// up the garbage collector's stop of the world until it returns; Go's
+// preemption signal ends it (a socket with a timeout is never restarted
+// after a signal, signal(7)), and a read so ended waits in poll(2), an
+// ordinary call, instead of going straight back.
+func (r *sockCall) recvAll(fd uintptr) bool {
+	n, _, e := unix.RawSyscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&r.p[0])), uintptr(len(r.p)), unix.MSG_WAITALL, 0, 0)
+	switch e {
+	case unix.EINTR:
+		return false
+	case unix.EAGAIN:
+		r.s.waits.Add(1)
+		return false // timed out
+	}
+	r.n, r.errno = int(n), e
+	return true
+}
+
 func (s *rawSocket) Write(p []byte) (int, error) {
 	w := &s.wr
 	w.mu.Lock()
@@ -238,6 +304,7 @@ type sockCall struct {
 	n      int
 	errno  syscall.Errno
 	waited bool  // a read found the socket empty
+	whole  bool  // ReadWhole's read
 	inq    int32 // drained's answer
 }
 

@@ -737,11 +737,30 @@ func (c *conn) readFull(j *job, p []byte) error {
 		c.payloadSince.Store(c.srv.ticks.Load() + 1)
 		defer c.payloadSince.Store(0)
 	}
-	if _, err := io.ReadFull(c.br, p); err != nil {
+	if err := c.readWhole(p); err != nil {
 		c.uncharge(j)
 		return err
 	}
 	return nil
+}
+
+// readWhole reads all of p from the stream: what br holds of it, and the
+// rest straight from the socket, in one wait when the socket is out of the
+// poller (rawSocket.ReadWhole) and the server is not crowded, so that the
+// reader, whose connection then counts twice in OnActive, has a P of its
+// own to hold while it waits. br would read the rest straight from the
+// socket too, being longer than its buffer, but a piece at a time.
+func (c *conn) readWhole(p []byte) error {
+	rs, ok := c.sock.(*rawSocket)
+	n := c.br.Buffered()
+	if !ok || c.tls != nil || len(p)-n < c.br.Size() || c.srv.crowded.Load() {
+		_, err := io.ReadFull(c.br, p)
+		return err
+	}
+	if n > 0 {
+		c.br.Read(p[:n]) // what br holds: it reads nothing more
+	}
+	return rs.ReadWhole(p[n:])
 }
 
 // writeStream runs a WRITE while its payload arrives: one piece at a time
