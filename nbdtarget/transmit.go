@@ -749,11 +749,13 @@ func (c *conn) readFull(j *job, p []byte) error {
 // poller (rawSocket.ReadWhole) and the server is not crowded, so that the
 // reader, whose connection then counts twice in OnActive, has a P of its
 // own to hold while it waits. br would read the rest straight from the
-// socket too, being longer than its buffer, but a piece at a time.
+// socket too, being longer than its buffer, but a piece at a time, and
+// with its last piece it may take the next request's header; in the
+// poller, where there is no wait to save, it still does.
 func (c *conn) readWhole(p []byte) error {
 	rs, ok := c.sock.(*rawSocket)
 	n := c.br.Buffered()
-	if !ok || c.tls != nil || len(p)-n < c.br.Size() || c.srv.crowded.Load() {
+	if !ok || c.tls != nil || len(p)-n < c.br.Size() || c.srv.crowded.Load() || !rs.outside() {
 		_, err := io.ReadFull(c.br, p)
 		return err
 	}
