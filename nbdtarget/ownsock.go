@@ -34,11 +34,11 @@ import (
 // they cost in the poller (docs/architecture.md, "Out of the poller").
 //
 // A lone connection writing in bulk (conn.bulk) has its second P already;
-// out of the poller its reader waits for each piece of the next payload
-// in poll(2), woken by the socket itself rather than through epoll_wait
-// and the scheduler, and fio's 1M writes cost 0.83 of the CPU per request.
-// Now it waits for the whole payload in one recv(2) (ReadWhole), holding
-// its P, which halves the server's system calls per 1M write.
+// out of the poller its reader is woken by the socket itself rather than
+// through epoll_wait and the scheduler, and fio's 1M writes cost 0.83 of
+// the CPU per request. It waits for a whole payload in one recv(2)
+// (ReadWhole), holding its P, where a wait in poll(2) for each piece of it
+// made twice the system calls per 1M write.
 //
 // The lingering read waits in recv(2) because nothing takes the client's
 // next request sooner: one blocking call, where a wait in poll(2) takes
