@@ -157,10 +157,7 @@ func (s *rawSocket) read(p []byte, whole bool) (int, error) {
 // read is a Read's attempt, which the socket's RawConn runs (fn).
 func (r *sockCall) read(fd uintptr) bool {
 	if r.whole && r.s.own != nil && r.s.rdl.Load() == 0 {
-		if r.recvAll(fd) {
-			return true
-		}
-		return false // wait in poll(2)
+		return r.recvAll(fd) // false: wait in poll(2)
 	}
 	if !r.waited && r.s.own != nil && r.s.linger.Load() > 0 && r.s.rdl.Load() == 0 {
 		// Out of the poller a lingering read goes straight into recv(2),
