@@ -38,6 +38,15 @@
 # MiB/s for 1M rows), its median CPU per request, and nbdmapper's ratios to
 # the best other peer (throughput: higher is better; CPU: lower is better).
 #
+# The last column is fio's own CPU per job (user + system, as fio reports
+# it: per cent of each job's run time) against each peer. A job near 100%
+# was busy all along, so the row measured the client as much as the
+# server: fio's nbd engine runs each job in one thread, and libnbd makes
+# the same system calls for each reply whichever server sends it (for a
+# 4k read of a hole: a poll and three recvs, and a send for the request),
+# so no server can raise such a row's figure by more than the time fio
+# spent waiting for it.
+#
 # The ratio of medians alone cannot tell a difference between servers from
 # the machine's drift, which moves a row by 10-30% between runs minutes
 # apart: on a row where both servers meet the same ceiling (the page cache,
@@ -225,7 +234,7 @@ def one(peer, i, r):
     ticks = int(open(f"{base}.cpu1").read()) - int(open(f"{base}.cpu0").read())
     cpu = ticks / hz / ios * 1e6 if ios else float("nan")
     fig = side["bw_bytes"] / 2**20 if names[i].startswith("1M") else side["iops"]
-    return fig, cpu
+    return fig, cpu, job["usr_cpu"] + job["sys_cpu"]
 
 def verdict(ratios, better):
     """ahead, behind or level, from the rounds' ratios; better(r) says r favours nbdmapper."""
@@ -235,18 +244,19 @@ def verdict(ratios, better):
         return "behind"
     return "level"
 
-print("| workload | unit | " + " | ".join(peers) + " | nbdmapper / best | by round | verdict | CPU s per M requests: " + " / ".join(peers) + " | CPU nbdmapper / best | by round | verdict |")
-print("|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|---|")
+print("| workload | unit | " + " | ".join(peers) + " | nbdmapper / best | by round | verdict | CPU s per M requests: " + " / ".join(peers) + " | CPU nbdmapper / best | by round | verdict | fio CPU %: " + " / ".join(peers) + " |")
+print("|---|---|" + "---|" * len(peers) + "---|---|---|---|---|---|---|---|")
 for i in rows:
     name = names[i]
     runs = {p: [one(p, i, r) for r in range(1, rounds + 1)] for p in peers}
-    vals = {p: (statistics.median(f for f, _ in rs), statistics.median(c for _, c in rs)) for p, rs in runs.items()}
+    vals = {p: tuple(statistics.median(x[k] for x in rs) for k in range(3)) for p, rs in runs.items()}
     unit = "MiB/s" if name.startswith("1M") else "IOPS"
     others = [p for p in peers if not p.startswith("nbdmapper")]
     cells = " | ".join(f"{vals[p][0]:.0f}" for p in peers)
     cpus = " / ".join(f"{vals[p][1]:.1f}" for p in peers)
+    client = " / ".join(f"{vals[p][2]:.0f}" for p in peers)
     if not others:  # PEERS=nbdmapper, for a profile: no ratios
-        print(f"| {name} | {unit} | {cells} | | | | {cpus} | | | |")
+        print(f"| {name} | {unit} | {cells} | | | | {cpus} | | | | {client} |")
         continue
     best = max(vals[p][0] for p in others)
     cheapest = min(vals[p][1] for p in others)
@@ -256,7 +266,7 @@ for i in rows:
     cpu_by = [runs["nbdmapper"][r][1] / min(runs[p][r][1] for p in others) for r in range(rounds)]
     fmt = lambda rs: " ".join(f"{r:.2f}" for r in rs)
     print(f"| {name} | {unit} | {cells} | {ratio:.2f} | {fmt(by)} | {verdict(by, lambda r: r > 1)} "
-          f"| {cpus} | {cpu_ratio:.2f} | {fmt(cpu_by)} | {verdict(cpu_by, lambda r: r < 1)} |")
+          f"| {cpus} | {cpu_ratio:.2f} | {fmt(cpu_by)} | {verdict(cpu_by, lambda r: r < 1)} | {client} |")
 PY
 	done
 done | tee "$out/table.md"
