@@ -35,6 +35,7 @@ done
 bench_setup builds fio nbdkit python3 openssl
 bench_machine | tee "$out/machine.md"
 echo "file: ${STATE:-written}, ${SET:-plain}" | tee -a "$out/machine.md"
+keep_free_memory
 [ "${SET:-plain}" != tls ] || make_pki "$work/pki"
 port=$((20000 + RANDOM % 20000))
 dd if=/dev/urandom of="$work/written.img" bs=1M count=1024 status=none

@@ -12,6 +12,9 @@
 #   wait_tls PORT PID LOG      wait_socket for a TLS server on 127.0.0.1:PORT
 #                              with the certificates in $work/pki.
 #   fio_tls ARGS...            fio with the client certificate of $work/pki.
+#   keep_free_memory           stops the guest handing free memory back to the
+#                              host (free page reporting) until the script exits,
+#                              and says so in $out/machine.md.
 #   bench_machine              prints the machine, tools and load average.
 #   cpu_ticks PID              prints PID's user + system CPU in clock ticks.
 #   task_ticks                 prints every process's user + system CPU in clock ticks.
@@ -29,12 +32,33 @@ bench_setup() {
 	out=bench/results/$name-$(date +%Y%m%d-%H%M%S)
 	mkdir -p "$out"
 	work=$(mktemp -d)
-	trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"' EXIT
+	trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"; restore_reporting' EXIT
 	if [ -n "${NBDMAPPER_BIN:-}" ]; then
 		cp "$NBDMAPPER_BIN" "$work/nbdmapper"
 	else
 		go build -o "$work/nbdmapper" ./cmd/nbdmapper
 	fi
+}
+
+# keep_free_memory: a VM whose balloon has free page reporting hands 2 MiB
+# blocks that have been free for 2 s back to the host, and the next touch of
+# each of their pages faults in the host. Whichever server runs after memory
+# has lain free pays for it: on a sparse file the first 1M write run of a row
+# made 0.46-0.79 of the MiB/s of the same server's other runs
+# (docs/benchmarks.md, "Two rows that measure fio and the page cache"). An
+# order above the largest (10) reports nothing; the old order comes back on
+# exit. Without the knob (no balloon, or not root) it does nothing.
+reporting_knob=/sys/module/page_reporting/parameters/page_reporting_order
+reporting_was=
+keep_free_memory() {
+	[ -w "$reporting_knob" ] || return 0
+	reporting_was=$(cat "$reporting_knob")
+	echo 11 >"$reporting_knob"
+	echo "free page reporting: off for the run (order $reporting_was before)" | tee -a "$out/machine.md"
+}
+
+restore_reporting() {
+	[ -z "$reporting_was" ] || echo "$reporting_was" >"$reporting_knob"
 }
 
 wait_socket() {

@@ -38,6 +38,17 @@
 # MiB/s for 1M rows), its median CPU per request, and nbdmapper's ratios to
 # the best other peer (throughput: higher is better; CPU: lower is better).
 #
+# A VM whose balloon takes back guest memory that has lain free for 2 s
+# (free page reporting) makes whichever server runs next pay for touching
+# it again: on a sparse file the first 1M write run of a row made
+# 0.46-0.79 of the MiB/s of the same server's other runs, at 1.3-3 times
+# its CPU per request (docs/benchmarks.md, "Two rows that measure fio and
+# the page cache"). So the run turns free page reporting off, and puts it
+# back at exit (keep_free_memory in bench/lib.sh), and each row of each
+# round starts with a run that is not measured, for memory the host took
+# before the run: the round's first peer on a fresh file for WARMUP
+# seconds (default: the runtime; 0 skips it).
+#
 # The last column is fio's own CPU per job (user + system, as fio reports
 # it: per cent of each job's run time) against each peer. A job near 100%
 # was busy all along, so the row measured the client as much as the
@@ -74,10 +85,12 @@ runtime=${2:-10}
 rounds=${3:-3}
 sets=${4:-plain tls}
 states=${5:-written sparse}
+warmup=${WARMUP:-$runtime}
 
 . bench/lib.sh
 bench_setup peers fio nbdkit qemu-nbd python3 go openssl
 bench_machine | tee "$out/machine.md"
+keep_free_memory
 template=$work/written.img
 if [[ " $states " == *" written "* ]]; then
 	dd if=/dev/urandom of="$template" bs=1M count="$size_mib" status=none
@@ -164,12 +177,14 @@ read -r -a rows <<<"${ROWS:-${!workloads[*]}}"
 [[ " $sets " != *" tls "* ]] || make_pki "$work/pki"
 port=$((20000 + RANDOM % 20000))
 
-# run_row ROUND SET STATE ROW PEER: workload ROW against PEER, freshly
-# started on a fresh file in STATE, with the server's CPU time around it.
+# run_row ROUND SET STATE ROW PEER [SECONDS]: workload ROW against PEER,
+# freshly started on a fresh file in STATE, with the server's CPU time
+# around it; given SECONDS, a warm-up of that long, kept apart from the
+# measured runs.
 run_row() {
-	local round=$1 set=$2 state=$3 i=$4 peer=$5 disk prof="" uri run base args
+	local round=$1 set=$2 state=$3 i=$4 peer=$5 disk prof="" uri run base args secs=${6:-$runtime}
 	disk=$(fresh_disk "$state" "$peer")
-	[ "$peer" = nbdmapper ] && prof=$(profile_flag "$set" "$state" "$i" "$round")
+	[ "$peer" = nbdmapper ] && [ -z "${6:-}" ] && prof=$(profile_flag "$set" "$state" "$i" "$round")
 	if [ "$set" = tls ]; then
 		port=$((port + 1))
 		start_tls_peer "$peer" "$port" "$disk" "$prof"
@@ -184,10 +199,11 @@ run_row() {
 	fi
 	args=${workloads[$i]#*|}
 	base=$out/$set-$state-$peer-$i-$round
+	[ -z "${6:-}" ] || base=$out/warmup-$set-$state-$peer-$i-$round
 	cpu_ticks "$peer_pid" >"$base.cpu0"
 	# shellcheck disable=SC2086
 	$run --name=w$i --ioengine=nbd "--uri=$uri" $args \
-		--size="${size_mib}M" --time_based --runtime="$runtime" \
+		--size="${size_mib}M" --time_based --runtime="$secs" \
 		--group_reporting --output-format=json >"$base.json"
 	cpu_ticks "$peer_pid" >"$base.cpu1"
 	kill -INT "$peer_pid"
@@ -204,6 +220,7 @@ for round in $(seq "$rounds"); do
 	for set in $sets; do
 		for state in $states; do
 			for i in "${rows[@]}"; do
+				[ "$warmup" = 0 ] || run_row "$round" "$set" "$state" "$i" "${order[0]}" "$warmup"
 				for peer in "${order[@]}"; do
 					run_row "$round" "$set" "$state" "$i" "$peer"
 				done
