@@ -47,7 +47,8 @@ bench_setup() {
 # made 0.46-0.79 of the MiB/s of the same server's other runs
 # (docs/benchmarks.md, "Two rows that measure fio and the page cache"). An
 # order above the largest (10) reports nothing; the old order comes back on
-# exit. Without the knob (no balloon, or not root) it does nothing.
+# exit. Without the knob (a kernel without page reporting) or as a user who
+# cannot write it, it does nothing.
 reporting_knob=/sys/module/page_reporting/parameters/page_reporting_order
 reporting_was=
 keep_free_memory() {
