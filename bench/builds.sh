@@ -19,6 +19,7 @@
 # and the machine's CPU per request: every process but fio's (task_ticks
 # in bench/lib.sh), so that work the server hands to kernel threads counts
 # too; then each binary against the first, round by round.
+# Free page reporting is off for the run (keep_free_memory in bench/lib.sh).
 # Results land in bench/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -182,9 +182,10 @@ port=$((20000 + RANDOM % 20000))
 # around it; given SECONDS, a warm-up of that long, kept apart from the
 # measured runs.
 run_row() {
-	local round=$1 set=$2 state=$3 i=$4 peer=$5 disk prof="" uri run base args secs=${6:-$runtime}
+	local round=$1 set=$2 state=$3 i=$4 peer=$5 disk prof="" uri run base args
+	local secs=${6:-$runtime} tag=${6:+warmup-}
 	disk=$(fresh_disk "$state" "$peer")
-	[ "$peer" = nbdmapper ] && [ -z "${6:-}" ] && prof=$(profile_flag "$set" "$state" "$i" "$round")
+	[ "$peer" = nbdmapper ] && [ -z "$tag" ] && prof=$(profile_flag "$set" "$state" "$i" "$round")
 	if [ "$set" = tls ]; then
 		port=$((port + 1))
 		start_tls_peer "$peer" "$port" "$disk" "$prof"
@@ -198,8 +199,7 @@ run_row() {
 		run=fio
 	fi
 	args=${workloads[$i]#*|}
-	base=$out/$set-$state-$peer-$i-$round
-	[ -z "${6:-}" ] || base=$out/warmup-$set-$state-$peer-$i-$round
+	base=$out/$tag$set-$state-$peer-$i-$round
 	cpu_ticks "$peer_pid" >"$base.cpu0"
 	# shellcheck disable=SC2086
 	$run --name=w$i --ioengine=nbd "--uri=$uri" $args \
