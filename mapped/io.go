@@ -295,21 +295,30 @@ func (f *extentFinder) take(e table.Extent) bool {
 // Splice moves [off, off+n) into a pipe (see backing.Splicer) when it lies
 // on one mapped extent of a device that can splice it and holds no hole
 // the device knows of; the caller sends the pipe's contents as the read's
-// data. ok false means nothing moved and the range is to be read (Read,
-// ReadSparse), which also reports any error of the request itself. With
-// ok, an error is a read error of the one extent, at off, and the pipe may
-// hold part of the range.
-func (m *Device) Splice(pipe int, off, n int64) (ok bool, err error) {
+// data. The first len(head) bytes of the range are read into head instead
+// (a pipe's room is counted in pages, so a caller splices from a page
+// boundary on), under the same table as the rest. ok false means nothing
+// moved and the range is to be read (Read, ReadSparse), which also reports
+// any error of the request itself. With ok, an error is a read error at
+// failed, and the pipe may hold part of the range.
+func (m *Device) Splice(pipe int, off, n int64, head []byte) (ok bool, failed int64, err error) {
 	l, err := m.admit(off, n)
 	if err != nil {
-		return false, nil
+		return false, off, nil
 	}
 	defer m.exit()
 	ext, ok := oneExtent(l.t, off, n)
 	if !ok {
-		return false, nil
+		return false, off, nil
 	}
-	return backing.Splice(ext.Dev, pipe, ext.Off, int(n))
+	h := int64(len(head))
+	if h > 0 {
+		if _, failed, err = readAt(l.t, head, off, MinHole, MaxHoles, nil, false); err != nil {
+			return true, failed, err
+		}
+	}
+	ok, err = backing.Splice(ext.Dev, pipe, ext.Off+h, int(n-h))
+	return ok, off + h, err
 }
 
 // Flush makes every write completed before the call durable.

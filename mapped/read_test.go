@@ -253,7 +253,7 @@ func TestSpliceAllocs(t *testing.T) {
 	defer unix.Close(pipe[1])
 	got := make([]byte, 4096)
 	allocs := nbdtest.AllocsPerRun(100, func() {
-		ok, err := x.Splice(pipe[1], 8192, 4096)
+		ok, _, err := x.Splice(pipe[1], 8192, 4096, nil)
 		if !ok || err != nil {
 			t.Fatalf("Splice: %v, %v", ok, err)
 		}

@@ -2,6 +2,7 @@ package nbdtarget
 
 import (
 	"errors"
+	"os"
 	"sync"
 	"syscall"
 	"time"
@@ -18,6 +19,19 @@ import (
 // calls through a buffer; reads longer than spliceMax (a pipe's room) and
 // TLS connections, whose bytes must pass through user memory to be
 // encrypted, use the buffer too.
+//
+// A pipe's room is counted in pages, not bytes: splice from the page cache
+// gives the pipe one buffer per page (or part of a page) it takes from, so
+// a read spans one page more than its length fills when it starts inside a
+// page. Such a read of spliceMax bytes spans 257 pages of a 256-page pipe:
+//
+//	file pages   |    0    |    1    | ... |   255   |   256   |
+//	read          [.......................................]
+//	              off = 512                    off + 1 MiB = 256 pages + 512
+//
+// The head up to the first page boundary (under a page) is read into a
+// buffer and sent with the reply's header; the rest, page-aligned, is
+// spliced. Reads that fit the pipe's pages are spliced whole.
 const (
 	spliceMin = 128 << 10
 	spliceMax = 1 << 20
@@ -26,8 +40,26 @@ const (
 	maxPipes = 16
 )
 
-// pipe is a pipe with room for spliceMax bytes, empty while in the pool.
-type pipe struct{ r, w int }
+// pipe is a pipe with room for at least spliceMax bytes, empty while in
+// the pool.
+type pipe struct {
+	r, w  int
+	pages int // the pipe buffers it holds: the pages a splice may span
+}
+
+// pageSize is the unit of a pipe's room (pipe.pages).
+var pageSize = int64(os.Getpagesize())
+
+// head returns how much of a read of n bytes at off to read into a buffer
+// so that the rest, from the next page boundary on, spans at most pages
+// pages: 0 if the whole read fits.
+func head(off, n, pages int64) int64 {
+	lead := off % pageSize
+	if (lead+n+pageSize-1)/pageSize <= pages {
+		return 0
+	}
+	return min(pageSize-lead, n)
+}
 
 // pipePool lends pipes to spliced reads, making them as needed up to
 // maxPipes.
@@ -86,12 +118,13 @@ func makePipe() (*pipe, error) {
 	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
 		return nil, err
 	}
-	if room, err := unix.FcntlInt(uintptr(fds[1]), unix.F_SETPIPE_SZ, spliceMax); err != nil || room < spliceMax {
+	room, err := unix.FcntlInt(uintptr(fds[1]), unix.F_SETPIPE_SZ, spliceMax)
+	if err != nil || room < spliceMax {
 		unix.Close(fds[0])
 		unix.Close(fds[1])
 		return nil, errNoRoom
 	}
-	return &pipe{r: fds[0], w: fds[1]}, nil
+	return &pipe{r: fds[0], w: fds[1], pages: int(int64(room) / pageSize)}, nil
 }
 
 // put returns an empty pipe to the pool.
@@ -124,8 +157,9 @@ func (pp *pipePool) close() {
 }
 
 // spliceRead moves read j's data into a pipe (mapped.Device.Splice), for
-// sendSpliced to pass on; ok false means it was not spliced and is to be
-// read into a buffer.
+// sendSpliced to pass on, after a head read into j.buf where the read
+// spans more pages than the pipe holds; ok false means it was not spliced
+// and is to be read into a buffer.
 func (c *conn) spliceRead(j *job) (ok bool, err error) {
 	r := &j.req
 	if c.raw == nil || c.tls != nil || c.srv.NoSplice || r.Length < spliceMin || r.Length > spliceMax {
@@ -141,12 +175,16 @@ func (c *conn) spliceRead(j *job) (ok bool, err error) {
 			c.srv.pipes.drop(p)
 		}
 	}()
-	ok, err = c.x.Dev.Splice(p.w, int64(r.Offset), int64(r.Length))
-	j.errOff = int64(r.Offset) // a single extent fails at its start
+	off, n := int64(r.Offset), int64(r.Length)
+	if h := head(off, n, int64(p.pages)); h > 0 {
+		j.setBuf(int(h))
+	}
+	ok, j.errOff, err = c.x.Dev.Splice(p.w, off, n, j.buf)
 	settled = true
 	switch {
 	case !ok:
 		c.srv.pipes.put(p)
+		j.dropBuf() // the whole read goes through a buffer
 	case err != nil:
 		c.srv.pipes.drop(p)
 	default:
@@ -155,10 +193,10 @@ func (c *conn) spliceRead(j *job) (ok bool, err error) {
 	return ok, err
 }
 
-// sendSpliced sends a spliced read's reply: the header through bw, then
-// the pipe's bytes straight into the socket, waiting in the network poller
-// while the socket is full. The pipe goes back to the pool empty, or is
-// dropped if the write failed.
+// sendSpliced sends a spliced read's reply: the header and any head read
+// into j.buf through bw, then the pipe's bytes straight into the socket,
+// waiting in the network poller while the socket is full. The pipe goes
+// back to the pool empty, or is dropped if the write failed.
 func (c *conn) sendSpliced(j *job, hdr []byte) {
 	p := j.pipe
 	j.pipe = nil
@@ -168,10 +206,13 @@ func (c *conn) sendSpliced(j *job, hdr []byte) {
 		_, c.werr = c.bw.Write(hdr)
 	}
 	if c.werr == nil {
+		_, c.werr = c.bw.Write(j.buf)
+	}
+	if c.werr == nil {
 		c.werr = c.bw.Flush()
 	}
 	if c.werr == nil {
-		c.werr = c.spliceOut(p, int(j.req.Length))
+		c.werr = c.spliceOut(p, int(j.req.Length)-len(j.buf))
 	}
 	if c.werr != nil {
 		c.srv.pipes.drop(p)
@@ -181,7 +222,7 @@ func (c *conn) sendSpliced(j *job, hdr []byte) {
 	// Counted once moved, not before the reply leaves as requests are
 	// (handle): a failed send is not counted, and the count shows when a
 	// reply is all in the socket (TestUnixSocketTakesWholeReply).
-	c.st.splicedBytes.Add(int64(j.req.Length))
+	c.st.splicedBytes.Add(int64(int(j.req.Length) - len(j.buf)))
 }
 
 // spliceOut moves n bytes from p into the socket.

@@ -323,3 +323,100 @@ func TestUnixSocketTakesWholeReply(t *testing.T) {
 		t.Fatalf("reply: errno %d, or other bytes than the file's", errno)
 	}
 }
+
+// A read that starts inside a page spans one page more than its length
+// fills, and a pipe's room is counted in pages: such reads get a head read
+// into a buffer up to the first page boundary, and the rest is spliced.
+// Every alignment gives the file's bytes, in simple and structured
+// replies, and only the head goes through a buffer.
+func TestSplicedUnalignedReads(t *testing.T) {
+	const size = 4 << 20
+	data := pattern(size, 5)
+	srv := &Server{Exports: []*Export{newExport(t, "f", seg{len: size, dev: fileDev(t, "f.img", data, size)})}}
+	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
+	spliced := func() int64 { return srv.Stats().Exports[0].ReadSplicedBytes }
+	page := uint64(pageSize)
+	offs := []uint64{0, 512, page - 512, page, page + 512, spliceMax + 512, size - spliceMax - 512}
+	lens := []uint32{spliceMin, spliceMin + 512, spliceMax - 512, uint32(spliceMax - page + 512), spliceMax}
+	for _, structured := range []bool{false, true} {
+		c := dialRaw(t, sock)
+		c.connect("f", structured, false)
+		var h uint64
+		for _, off := range offs {
+			for _, n := range lens {
+				h++
+				before := spliced()
+				c.request(cmdRead, 0, h, off, n, nil)
+				var got []byte
+				if structured {
+					ch := c.chunk()
+					if ch.typ != chunkOffsetData || ch.flags&replyFlagDone == 0 {
+						t.Fatalf("structured read %d+%d: chunk type %d flags %#x", off, n, ch.typ, ch.flags)
+					}
+					got = ch.payload[8:]
+				} else {
+					var errno uint32
+					if _, errno, got = c.simple(int(n)); errno != 0 {
+						t.Fatalf("simple read %d+%d: errno %d", off, n, errno)
+					}
+				}
+				if !bytes.Equal(got, data[off:off+uint64(n)]) {
+					t.Fatalf("read %d+%d (structured %v): other bytes than the file's", off, n, structured)
+				}
+				want := before + int64(n) - head(int64(off), int64(n), spliceMax/pageSize)
+				nbdtest.Until(t, "the read to be counted as spliced", func() bool { return spliced() >= want })
+				if got := spliced(); got != want {
+					t.Fatalf("read %d+%d: %d bytes spliced, want %d", off, n, got-before, want-before)
+				}
+			}
+		}
+	}
+}
+
+func TestHead(t *testing.T) {
+	const pages = spliceMax / 4096
+	for _, tc := range []struct {
+		name   string
+		off, n int64
+		want   int64
+	}{
+		{"aligned, whole pipe", 0, spliceMax, 0},
+		{"aligned, short", 8192, spliceMin, 0},
+		{"unaligned, fits", 512, spliceMax - 512, 0},
+		{"unaligned, fits to the last byte", 4095, spliceMax - 4095, 0},
+		{"unaligned, one byte over", 4095, spliceMax - 4094, 1},
+		{"unaligned, whole pipe", 512, spliceMax, 4096 - 512},
+		{"last sector of a page", 4096 + 3584, spliceMax, 512},
+	} {
+		if pageSize != 4096 {
+			t.Skipf("cases are for 4 KiB pages, not %d", pageSize)
+		}
+		if got := head(tc.off, tc.n, pages); got != tc.want {
+			t.Errorf("%s: head(%d, %d, %d) = %d, want %d", tc.name, tc.off, tc.n, pages, got, tc.want)
+		}
+	}
+}
+
+// failHead fails reads (the head of an unaligned spliced read) and
+// splices as the file does.
+type failHead struct{ *backing.File }
+
+func (f failHead) ReadAt(p []byte, off int64) (int, error) { return 0, syscall.EIO }
+
+// A head read that fails is an error reply at the read's offset, and the
+// next read is spliced as before.
+func TestSplicedHeadFailure(t *testing.T) {
+	srv, _, c, good := badSpliceFix(t, func(f *backing.File) backing.Device { return failHead{f} })
+	c.request(cmdRead, 0, 1, 512, spliceMax, nil)
+	ch := c.chunk()
+	if errno, _, off, err := chunkErrno(ch); err != nil || errno != EIO || off != 512 {
+		t.Fatalf("read whose head fails: chunk type %d errno %d at %d (%v), want EIO at 512", ch.typ, errno, off, err)
+	}
+	c.request(cmdRead, 0, 2, seg1+512, spliceMax, nil)
+	if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], good[512:512+spliceMax]) {
+		t.Fatalf("read of the good file after a failed head: chunk type %d, or other bytes", ch.typ)
+	}
+	if made := pipesSettled(t, srv); made != 1 {
+		t.Errorf("%d pipes in the pool, want the good read's", made)
+	}
+}

@@ -1363,3 +1363,11 @@ func (j *job) setBuf(n int) {
 	j.bufp = getBuf(n)
 	j.buf = (*j.bufp)[:n]
 }
+
+// dropBuf gives back the buffer setBuf lent.
+func (j *job) dropBuf() {
+	if j.bufp != nil {
+		putBuf(j.bufp)
+	}
+	j.bufp, j.buf = nil, nil
+}
