@@ -104,11 +104,54 @@ func (c *Certs) Reload() error {
 		if !pool.AppendCertsFromPEM(pem) {
 			return fmt.Errorf("TLS CA %s: no PEM certificates", c.caFile)
 		}
-		cfg.ClientCAs = pool
-		cfg.ClientAuth = tls.RequireAndVerifyClientCert
+		// The chain is verified here rather than by crypto/tls
+		// (ClientCAs), which would also name the CA's subject in the
+		// CertificateRequest's certificate_authorities. A GnuTLS client
+		// (libnbd, qemu) that gets CA names picks a certificate only if
+		// its key type is among those of the request's
+		// signature_algorithms, and reads rsa_pss_rsae_* (the only RSA
+		// schemes TLS 1.3 allows, RFC 8446 4.2.3) as the RSA-PSS key
+		// type: it then sends no RSA certificate at all. Without CA
+		// names, a client holding one certificate sends it, and signs
+		// with rsa_pss_rsae_* as usual.
+		cfg.ClientAuth = tls.RequireAnyClientCert
+		cfg.VerifyConnection = func(cs tls.ConnectionState) error {
+			return verifyClient(pool, cs.PeerCertificates)
+		}
 	}
 	c.cur.Store(cfg)
 	return nil
+}
+
+// verifyClient checks that a client's certificate chains to a CA of
+// pool and may be used for client authentication, as crypto/tls does
+// for RequireAndVerifyClientCert.
+func verifyClient(pool *x509.CertPool, certs []*x509.Certificate) error {
+	if len(certs) == 0 {
+		return errors.New("client certificate required")
+	}
+	opts := x509.VerifyOptions{
+		Roots:         pool,
+		Intermediates: x509.NewCertPool(),
+		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	for _, c := range certs[1:] {
+		opts.Intermediates.AddCert(c)
+	}
+	if _, err := certs[0].Verify(opts); err != nil {
+		return fmt.Errorf("client certificate %q: %w", certs[0].Subject.CommonName, err)
+	}
+	return nil
+}
+
+// verifiedClient returns the client's certificate, which the handshake
+// verified (verifyClient) if there is one: a server without a CA asks for
+// none.
+func verifiedClient(cs tls.ConnectionState) *x509.Certificate {
+	if len(cs.PeerCertificates) == 0 {
+		return nil
+	}
+	return cs.PeerCertificates[0]
 }
 
 // Config is the tls.Config for Server.TLSConfig: each handshake takes the
@@ -208,11 +251,11 @@ func (c *conn) access(x *Export) access {
 	if c.tls == nil {
 		return accessTLSReqd
 	}
-	cs := c.tls.ConnectionState()
-	if len(cs.VerifiedChains) == 0 {
+	cert := verifiedClient(c.tls.ConnectionState())
+	if cert == nil {
 		return accessNone
 	}
-	ids := identities(cs.PeerCertificates[0])
+	ids := identities(cert)
 	named := func(list []string) bool {
 		return slices.ContainsFunc(list, func(s string) bool {
 			id, err := ParseIdentity(s)
@@ -293,8 +336,8 @@ func (c *conn) startTLS(data []byte) error {
 	c.structured, c.meta, c.metaExport = false, false, nil
 	cs := tc.ConnectionState()
 	var who []string
-	if len(cs.VerifiedChains) > 0 {
-		who = identities(cs.PeerCertificates[0])
+	if cert := verifiedClient(cs); cert != nil {
+		who = identities(cert)
 	}
 	c.log = c.log.With("tls", tls.VersionName(cs.Version), "client", strings.Join(who, ","))
 	c.log.Debug("nbd STARTTLS")
