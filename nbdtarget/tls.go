@@ -62,6 +62,11 @@ var (
 	errStartTLSPipelined = errors.New("client sent data after STARTTLS before its reply")
 	errTLSRequired       = errors.New("EXPORT_NAME before STARTTLS on a server that requires TLS")
 	errNotAllowed        = errors.New("EXPORT_NAME for an export the client may not use")
+	// errNoClientCert is what a client that sent no certificate is told
+	// in the log. GnuTLS clients send none when their key suits no
+	// signature scheme the server offers (an RSA-PSS key, say).
+	errNoClientCert = errors.New("client sent no certificate: it has none, or none with a key the server can use " +
+		"(RSA, ECDSA P-256/P-384/P-521 or Ed25519; not RSA-PSS)")
 )
 
 // Certs holds a server certificate and key, and optionally a CA that client
@@ -114,7 +119,9 @@ func (c *Certs) Reload() error {
 		// type: it then sends no RSA certificate at all. Without CA
 		// names, a client holding one certificate sends it, and signs
 		// with rsa_pss_rsae_* as usual.
-		cfg.ClientAuth = tls.RequireAnyClientCert
+		// Requested, not required, so that verifyClient says why a
+		// client that sent none is refused.
+		cfg.ClientAuth = tls.RequestClientCert
 		cfg.VerifyConnection = func(cs tls.ConnectionState) error {
 			return verifyClient(pool, cs.PeerCertificates)
 		}
@@ -128,7 +135,7 @@ func (c *Certs) Reload() error {
 // for RequireAndVerifyClientCert.
 func verifyClient(pool *x509.CertPool, certs []*x509.Certificate) error {
 	if len(certs) == 0 {
-		return errors.New("client certificate required")
+		return errNoClientCert
 	}
 	opts := x509.VerifyOptions{
 		Roots:         pool,
