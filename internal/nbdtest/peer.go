@@ -22,6 +22,7 @@ type Peer struct {
 	Log  string // nbdkit's log file ("" for qemu-nbd)
 
 	t      testing.TB
+	env    []string
 	addr   string
 	dial   func(network, addr string) (net.Conn, error)
 	argv   []string
@@ -40,12 +41,18 @@ type PeerOptions struct {
 	// Dial, if set, is how to reach Addr (from inside that namespace);
 	// net.Dial by default.
 	Dial func(network, addr string) (net.Conn, error)
+	// Env is added to the server's environment (for example
+	// GNUTLS_SYSTEM_PRIORITY_FILE, to limit its TLS versions).
+	Env []string
+	// Args are qemu-nbd options put before the file (TLS objects, say);
+	// nbdkit takes its own in StartNbdkit's ARGS.
+	Args []string
 }
 
 // place sets where the peer listens, and returns the server's options for
 // it: the socket flag and sock, or the address and port flags and opts.Addr.
 func (p *Peer) place(opts PeerOptions, sock, sockFlag, hostFlag, portFlag string) []string {
-	p.addr, p.dial = opts.Addr, opts.Dial
+	p.addr, p.dial, p.env = opts.Addr, opts.Dial, opts.Env
 	if p.dial == nil {
 		p.dial = net.Dial
 	}
@@ -81,7 +88,7 @@ func StartQemuNbd(t testing.TB, dir, name, file string, opts PeerOptions) *Peer 
 	p := &Peer{t: t, Name: name}
 	listen := p.place(opts, filepath.Join(dir, name+".sock"), "-k", "-b", "-p")
 	p.argv = append(append(append([]string(nil), opts.Wrap...), bin), listen...)
-	p.argv = append(p.argv, "-f", "raw", "-x", "e", "--shared=8", "--persistent", "--cache=writeback", "--discard=unmap", file)
+	p.argv = append(append(p.argv, opts.Args...), "-f", "raw", "-x", "e", "--shared=8", "--persistent", "--cache=writeback", "--discard=unmap", file)
 	p.Start()
 	t.Cleanup(p.stop)
 	return p
@@ -95,6 +102,9 @@ func (p *Peer) Start() {
 		os.Remove(p.Sock)
 	}
 	p.cmd = exec.Command(p.argv[0], p.argv[1:]...)
+	if p.env != nil {
+		p.cmd.Env = append(os.Environ(), p.env...)
+	}
 	p.cmd.Stdout, p.cmd.Stderr = &p.out, &p.out
 	p.exited = make(chan struct{})
 	if err := p.cmd.Start(); err != nil {
