@@ -24,7 +24,8 @@ packages=(
 	cpio
 	kmod            # depmod, for vmtest's initramfs
 	systemd         # systemd-socket-activate, systemd-analyze (no systemd PID 1 needed)
-	openssl         # certificates for the guest's nbd-client TLS test
+	openssl         # certificates for the guest's nbd-client TLS test and the certificate matrix
+	gnutls-bin      # certtool, for the certificate matrix (cmd/nbdmapper/certmatrix_test.go)
 )
 sudo=""
 [ "$(id -u)" = 0 ] || sudo=sudo
