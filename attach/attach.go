@@ -12,6 +12,8 @@ import (
 
 	"github.com/pojntfx/go-nbd/pkg/ioctl"
 	"golang.org/x/sys/unix"
+
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // Kernel nbd ioctls, _IO(0xab, n) (include/uapi/linux/nbd.h). go-nbd's
@@ -79,7 +81,7 @@ func Attach(ctx context.Context, opts Options) error {
 		socks = append(socks, f)
 		if i == 0 {
 			x = xi
-			if n > 1 && x.Flags&FlagCanMultiConn == 0 {
+			if n > 1 && x.Flags&wire.TfCanMultiConn == 0 {
 				return fmt.Errorf("%d connections to %q: %w", n, opts.Export, ErrMultiConn)
 			}
 		}

@@ -21,6 +21,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // serveNbdmapper serves two exports of a real table over a sparse file on a
@@ -107,12 +108,12 @@ func TestHandshake(t *testing.T) {
 		err       error
 	}{
 		{"nbdmapper default export", func(*testing.T) string { return mapper }, "", 8 << 20,
-			FlagHasFlags | FlagSendFlush | FlagSendFUA | FlagSendTrim, nil},
+			wire.TfHasFlags | wire.TfSendFlush | wire.TfSendFUA | wire.TfSendTrim, nil},
 		{"nbdmapper named export", func(*testing.T) string { return mapper }, "tail", 4000 * 512,
-			FlagHasFlags | FlagSendFlush | FlagSendTrim, nil},
+			wire.TfHasFlags | wire.TfSendFlush | wire.TfSendTrim, nil},
 		{"nbdmapper unknown export", func(*testing.T) string { return mapper }, "nope", 0, 0, ErrRefused},
 		{"nbdkit memory", serveNbdkit, "", 1 << 20,
-			FlagHasFlags | FlagSendFlush | FlagSendTrim | FlagCanMultiConn, nil},
+			wire.TfHasFlags | wire.TfSendFlush | wire.TfSendTrim | wire.TfCanMultiConn, nil},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -137,7 +138,7 @@ func TestHandshake(t *testing.T) {
 			if x.Flags&tc.wantFlags != tc.wantFlags {
 				t.Errorf("flags = %#x, want at least %#x", x.Flags, tc.wantFlags)
 			}
-			if x.Flags&FlagReadOnly != 0 {
+			if x.Flags&wire.TfReadOnly != 0 {
 				t.Errorf("flags = %#x: read-only", x.Flags)
 			}
 			// the connection is in the transmission phase: a clean
@@ -170,11 +171,11 @@ func u16(v uint16) []byte { return binary.BigEndian.AppendUint16(nil, v) }
 
 func reply(opt, typ uint32, data ...[]byte) []byte {
 	body := bytes.Join(data, nil)
-	return bytes.Join([][]byte{u64(optReplyMagic), u32(opt), u32(typ), u32(uint32(len(body))), body}, nil)
+	return bytes.Join([][]byte{u64(wire.MagicOptReply), u32(opt), u32(typ), u32(uint32(len(body))), body}, nil)
 }
 
 func TestHandshakeScripted(t *testing.T) {
-	greeting := bytes.Join([][]byte{u64(nbdMagic), u64(ihaveOpt), u16(flagFixedNewstyle | flagNoZeroes)}, nil)
+	greeting := bytes.Join([][]byte{u64(wire.MagicNBD), u64(wire.MagicOpt), u16(wire.FlagFixedNewstyle | wire.FlagNoZeroes)}, nil)
 	tests := []struct {
 		name   string
 		script []byte
@@ -182,22 +183,22 @@ func TestHandshakeScripted(t *testing.T) {
 		err    error
 	}{
 		{"not NBD", []byte("SSH-2.0-OpenSSH_9.2 hello there"), Export{}, ErrNotNBD},
-		{"oldstyle", bytes.Join([][]byte{u64(nbdMagic), u64(0x00420281861253), u64(1 << 20)}, nil), Export{}, ErrOldstyle},
-		{"not fixed newstyle", bytes.Join([][]byte{u64(nbdMagic), u64(ihaveOpt), u16(0)}, nil), Export{}, ErrOldstyle},
+		{"oldstyle", bytes.Join([][]byte{u64(wire.MagicNBD), u64(0x00420281861253), u64(1 << 20)}, nil), Export{}, ErrOldstyle},
+		{"not fixed newstyle", bytes.Join([][]byte{u64(wire.MagicNBD), u64(wire.MagicOpt), u16(0)}, nil), Export{}, ErrOldstyle},
 		{"GO with block sizes", bytes.Join([][]byte{greeting,
-			reply(optGo, repInfo, u16(infoBlockSize), u32(512), u32(4096), u32(32<<20)),
-			reply(optGo, repInfo, u16(infoExport), u64(1<<30), u16(0x12d)),
-			reply(optGo, repAck)}, nil),
+			reply(wire.OptGo, wire.RepInfo, u16(wire.InfoBlockSize), u32(512), u32(4096), u32(32<<20)),
+			reply(wire.OptGo, wire.RepInfo, u16(wire.InfoExport), u64(1<<30), u16(0x12d)),
+			reply(wire.OptGo, wire.RepAck)}, nil),
 			Export{Size: 1 << 30, Flags: 0x12d, MinBlock: 512, PrefBlock: 4096, MaxBlock: 32 << 20}, nil},
 		{"GO unsupported: EXPORT_NAME", bytes.Join([][]byte{greeting,
-			reply(optGo, errUnsup),
+			reply(wire.OptGo, wire.RepErrUnsup),
 			u64(5 << 20), u16(0x3)}, nil),
 			Export{Size: 5 << 20, Flags: 0x3}, nil},
-		{"ACK without export info", bytes.Join([][]byte{greeting, reply(optGo, repAck)}, nil), Export{}, ErrProtocol},
-		{"short export info", bytes.Join([][]byte{greeting, reply(optGo, repInfo, u16(infoExport), u64(1))}, nil), Export{}, ErrProtocol},
-		{"policy error", bytes.Join([][]byte{greeting, reply(optGo, repErr|2, []byte("go away"))}, nil), Export{}, ErrRefused},
-		{"wrong reply magic", bytes.Join([][]byte{greeting, u64(1), u32(optGo), u32(repAck), u32(0)}, nil), Export{}, ErrProtocol},
-		{"truncated greeting", u64(nbdMagic), Export{}, io.ErrUnexpectedEOF},
+		{"ACK without export info", bytes.Join([][]byte{greeting, reply(wire.OptGo, wire.RepAck)}, nil), Export{}, ErrProtocol},
+		{"short export info", bytes.Join([][]byte{greeting, reply(wire.OptGo, wire.RepInfo, u16(wire.InfoExport), u64(1))}, nil), Export{}, ErrProtocol},
+		{"policy error", bytes.Join([][]byte{greeting, reply(wire.OptGo, wire.RepErr|2, []byte("go away"))}, nil), Export{}, ErrRefused},
+		{"wrong reply magic", bytes.Join([][]byte{greeting, u64(1), u32(wire.OptGo), u32(wire.RepAck), u32(0)}, nil), Export{}, ErrProtocol},
+		{"truncated greeting", u64(wire.MagicNBD), Export{}, io.ErrUnexpectedEOF},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -219,10 +220,10 @@ func TestHandshakeScripted(t *testing.T) {
 }
 
 func FuzzHandshake(f *testing.F) {
-	greeting := bytes.Join([][]byte{u64(nbdMagic), u64(ihaveOpt), u16(flagFixedNewstyle)}, nil)
+	greeting := bytes.Join([][]byte{u64(wire.MagicNBD), u64(wire.MagicOpt), u16(wire.FlagFixedNewstyle)}, nil)
 	f.Add(greeting)
-	f.Add(bytes.Join([][]byte{greeting, reply(optGo, repInfo, u16(infoExport), u64(1<<30), u16(1)), reply(optGo, repAck)}, nil))
-	f.Add(bytes.Join([][]byte{greeting, reply(optGo, errUnsup), u64(1), u16(1)}, nil))
+	f.Add(bytes.Join([][]byte{greeting, reply(wire.OptGo, wire.RepInfo, u16(wire.InfoExport), u64(1<<30), u16(1)), reply(wire.OptGo, wire.RepAck)}, nil))
+	f.Add(bytes.Join([][]byte{greeting, reply(wire.OptGo, wire.RepErrUnsup), u64(1), u16(1)}, nil))
 	f.Fuzz(func(t *testing.T, script []byte) {
 		x, err := Handshake(scripted(script), "d")
 		if err == nil && x.Flags == 0 && x.Size == 0 && len(script) < 18 {

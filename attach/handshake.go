@@ -5,44 +5,13 @@ import (
 	"io"
 
 	"github.com/nbdmapper/nbdmapper/remote"
-	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // The client side of the handshake is package remote's, which the remote
 // backing devices use too; attach asks it for no structured replies or
 // meta contexts, since the kernel speaks the transmission phase itself
-// with simple replies only. The wire numbers are package wire's, which
-// the server (nbdtarget) shares, so the project has one source for them.
-const (
-	nbdMagic      = wire.MagicNBD
-	ihaveOpt      = wire.MagicOpt
-	optReplyMagic = wire.MagicOptReply
-
-	flagFixedNewstyle = wire.FlagFixedNewstyle
-	flagNoZeroes      = wire.FlagNoZeroes
-
-	optGo = wire.OptGo
-
-	repAck   = wire.RepAck
-	repInfo  = wire.RepInfo
-	repErr   = wire.RepErr
-	errUnsup = wire.RepErrUnsup
-
-	infoExport    = wire.InfoExport
-	infoBlockSize = wire.InfoBlockSize
-)
-
-// Transmission flags (u16) the kernel cares about.
-const (
-	FlagHasFlags     = wire.TfHasFlags
-	FlagReadOnly     = wire.TfReadOnly
-	FlagSendFlush    = wire.TfSendFlush
-	FlagSendFUA      = wire.TfSendFUA
-	FlagRotational   = wire.TfRotational
-	FlagSendTrim     = wire.TfSendTrim
-	FlagWriteZeroes  = wire.TfSendWriteZeroes
-	FlagCanMultiConn = wire.TfCanMultiConn
-)
+// with simple replies only. The wire numbers (transmission flags among
+// them) are package wire's, which the server (nbdtarget) shares.
 
 // Errors a caller can act on. The handshake's are package remote's.
 var (

@@ -21,6 +21,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/mapped"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 	"github.com/nbdmapper/nbdmapper/table"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // Serve a table in-process on a unix socket, then write and read it back
@@ -66,7 +67,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	fmt.Println("size", x.Size, "read-only", x.Flags&attach.FlagReadOnly != 0)
+	fmt.Println("size", x.Size, "read-only", x.Flags&wire.TfReadOnly != 0)
 	request := func(typ uint16, off uint64, n uint32, payload []byte) []byte {
 		hdr := protocol.TransmissionRequestHeader{
 			RequestMagic: protocol.TRANSMISSION_MAGIC_REQUEST, Type: typ, Handle: off, Offset: off, Length: n,
