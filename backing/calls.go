@@ -82,7 +82,7 @@ func newCallGate() callGate {
 // waits, and a call that ends while any wait hands its slot to one of them
 // through wake. A call that finds a slot free so takes it with one atomic
 // add and gives it back with another, where a channel of tokens took its
-// lock each way (docs/benchmarks.md, "What the layers add to a write").
+// lock each way (docs/decisions/bounded-device-calls.md).
 // wake's elements take no memory, so its capacity (more than goroutines
 // can wait) costs none, and a hand-over never blocks.
 type deviceSlots struct {

@@ -437,8 +437,8 @@ func (h *HoleMap) holesTo(off, n int64) (holes []Range, known int64, err error) 
 // found no hole in past its range, in slots that know no chunk: at most
 // one pass over the slots. On tmpfs SEEK_HOLE walks every page up to the
 // next hole, so without it each 4 KiB read of a written image's chunk not
-// yet known walked the rest of the file: 376 reads a second at queue depth
-// 1 (docs/benchmarks.md). "Data" is the answer that is never unsafe: a read
+// yet known walked the rest of the file (docs/decisions/hole-maps.md has
+// the figures). "Data" is the answer that is never unsafe: a read
 // of it reads the device, a discard of it reaches the device, and a change
 // since the question only makes it stale the safe way, so neither the
 // generations nor writes in flight matter here. h.mu must be held.

@@ -5,9 +5,9 @@
 //
 // A table scatters one virtual range over many device ranges, and clients
 // send many small trims; issued as they come, the device sees random-order
-// discards of pieces that are often smaller than it can deallocate (mkfs.btrfs
-// became 50x slower this way, discarding once per DUP mirror, alternating
-// between two far-apart offsets). So trims are batched by group commit, per
+// discards of pieces that are often smaller than it can deallocate (mkfs.btrfs,
+// discarding once per DUP mirror, alternates between two far-apart offsets;
+// docs/decisions/discard-group-commit.md). So trims are batched by group commit, per
 // device: a trim's part for a device with no discard in flight is issued at
 // once, and the parts that arrive while the device has discards in flight
 // gather into the device's batch, issued as soon as the discards that were

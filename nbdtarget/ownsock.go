@@ -28,30 +28,25 @@ import (
 // a P in a system call alone while another is idle), but its thread then
 // waits in epoll_wait, and every request that arrives and every reply the
 // client drains wakes it there for nothing, since no goroutine waits in
-// the poller for this socket. Out of the poller nothing wakes it: with the
-// connection counted twice for --procs auto, fio's 4k random writes with
-// an fdatasync after each cost 0.64-0.68 of the server CPU per request
-// they cost in the poller (docs/architecture.md, "Out of the poller").
+// the poller for this socket. Out of the poller nothing wakes it, and the
+// connection is counted twice for --procs auto
+// (docs/decisions/out-of-poller.md has the figures).
 //
 // A lone connection writing in bulk (conn.bulk) has its second P already;
 // out of the poller its reader is woken by the socket itself rather than
-// through epoll_wait and the scheduler, and fio's 1M writes cost 0.83 of
-// the CPU per request. It waits for a whole payload in one recv(2)
-// (ReadWhole), holding its P, where a wait in poll(2) for each piece of it
-// made twice the system calls per 1M write.
+// through epoll_wait and the scheduler. It waits for a whole payload in one
+// recv(2) (ReadWhole), holding its P, where a wait in poll(2) for each
+// piece of it made twice the system calls per 1M write.
 //
 // The lingering read waits in recv(2) because nothing takes the client's
 // next request sooner: one blocking call, where a wait in poll(2) takes
 // three (the read that finds the socket empty, the poll, and the read
-// again), and the kernel wakes the thread straight into the copy. fio's
-// 4k random writes with an fdatasync after each, on a file in tmpfs, made
-// 1.11 times the IOPS waiting in recv that they made waiting in poll, at
-// 0.98 of the CPU; a bulk reader's 1M writes gained nothing, and it keeps
-// poll(2) (docs/benchmarks.md, "A read out of the poller waits in recv").
-// Nor does it look at the socket before the recv, which returns at once
-// what the socket holds: that read found the socket empty for nearly every
-// serial request, and skipping it took 0.955 of the CPU per request
-// (docs/benchmarks.md, "A serial read goes straight into recv").
+// again), and the kernel wakes the thread straight into the copy. A bulk
+// reader's 1M writes gained nothing from it, and it keeps poll(2). Nor
+// does the lingering read look at the socket before the recv, which
+// returns at once what the socket holds: that read found the socket empty
+// for nearly every serial request (docs/decisions/out-of-poller.md has
+// the figures for both).
 // So the descriptor is blocking while out of the poller, with its recv
 // timed out (SO_RCVTIMEO), and every other call on it is non-blocking by
 // its flags (rawIO) or waits in poll(2); a splice into it, which no flag

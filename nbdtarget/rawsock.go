@@ -28,8 +28,7 @@ import (
 // and one thing more: entering a system call wakes sysmon if it had gone
 // to sleep because every P was idle, and a woken sysmon polls every 20 µs
 // while the server is busy; at queue depth 1 the server goes idle between
-// requests (docs/architecture.md, "System calls, threads and io_uring",
-// has what this saves). Device calls, which can block (a page-cache miss,
+// requests (docs/decisions/raw-socket-calls.md has what this saves). Device calls, which can block (a page-cache miss,
 // dirty-page throttling, fdatasync), stay ordinary system calls, and so
 // does the wait of a read out of the poller in recv(2) (recvWait).
 //
@@ -228,12 +227,11 @@ func (r *sockCall) recvWait(fd uintptr) bool {
 // poller counts twice in Server.OnActive). An ordinary call's P, idle in
 // the wait while the other P copied the last payload into the file, was
 // handed to another thread by sysmon and had to be taken back after the
-// call: fio's 1M writes so made 0.93 of the MiB/s at 1.15 of the CPU per
-// request (docs/benchmarks.md, "A payload in one recv"). A raw call holds
-// up the garbage collector's stop of the world until it returns; Go's
-// preemption signal ends it (a socket with a timeout is never restarted
-// after a signal, signal(7)), and a read so ended waits in poll(2), an
-// ordinary call, instead of going straight back.
+// call, at a cost in MiB/s and CPU (docs/decisions/out-of-poller.md). A
+// raw call holds up the garbage collector's stop of the world until it
+// returns; Go's preemption signal ends it (a socket with a timeout is
+// never restarted after a signal, signal(7)), and a read so ended waits in
+// poll(2), an ordinary call, instead of going straight back.
 func (r *sockCall) recvAll(fd uintptr) bool {
 	n, _, e := unix.RawSyscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&r.p[0])), uintptr(len(r.p)), unix.MSG_WAITALL, 0, 0)
 	switch e {
@@ -344,9 +342,8 @@ func readable(fd uintptr, d time.Duration) bool {
 // covers the header and its own bookkeeping). A unix socket gets
 // net.core.wmem_default, 208 KiB on Linux, and takes a 1 MiB reply in
 // about five pieces, each a wait in the poller for the client to drain the
-// last and a wake-up; fio's 1M reads at queue depth 8 made 2,748 MiB/s
-// with the default and 9,947 with this (docs/benchmarks.md, "A unix socket's
-// send buffer"). TCP sockets are left alone: Linux grows their buffers as
+// last and a wake-up (docs/decisions/unix-send-buffer.md has the figures).
+// TCP sockets are left alone: Linux grows their buffers as
 // the connection needs, up to net.ipv4.tcp_wmem's limit (4 MiB by
 // default), and a buffer set by hand would end that. The kernel caps it
 // at net.core.wmem_max. It is a bound, not an allocation: a socket holds only what is waiting for the client, and a

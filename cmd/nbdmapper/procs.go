@@ -21,7 +21,7 @@ import (
 // second P buys one connection nothing but idle Ps spinning for work and
 // threads woken to find none, on every request, which on a small machine
 // is CPU taken from the client and latency added to each request
-// (docs/benchmarks.md). A connection writing in bulk (large writes one
+// (docs/decisions/procs-auto.md). A connection writing in bulk (large writes one
 // after another) does get two: its reader copies the next payload out of
 // the socket while the last one is copied into the page cache
 // (nbdtarget's conn.bulk). So does a lone connection whose client waits
