@@ -43,9 +43,8 @@ bench_setup() {
 # keep_free_memory: a VM whose balloon has free page reporting hands 2 MiB
 # blocks that have been free for 2 s back to the host, and the next touch of
 # each of their pages faults in the host. Whichever server runs after memory
-# has lain free pays for it: on a sparse file the first 1M write run of a row
-# made 0.46-0.79 of the MiB/s of the same server's other runs
-# (docs/benchmarks.md, "Two rows that measure fio and the page cache"). An
+# has lain free pays for it, most on a sparse file's first 1M write run of a
+# row (docs/decisions/bench-method.md has the figures). An
 # order above the largest (10) reports nothing; the old order comes back on
 # exit. Without the knob (a kernel without page reporting) or as a user who
 # cannot write it, it does nothing.

@@ -40,10 +40,8 @@
 #
 # A VM whose balloon takes back guest memory that has lain free for 2 s
 # (free page reporting) makes whichever server runs next pay for touching
-# it again: on a sparse file the first 1M write run of a row made
-# 0.46-0.79 of the MiB/s of the same server's other runs, at 1.3-3 times
-# its CPU per request (docs/benchmarks.md, "Two rows that measure fio and
-# the page cache"). So the run turns free page reporting off, and puts it
+# it again, and slows the first 1M write run of a row on a sparse file
+# (docs/decisions/bench-method.md has the figures). So the run turns free page reporting off, and puts it
 # back at exit (keep_free_memory in bench/lib.sh), and each row of each
 # round starts with a run that is not measured, for memory the host took
 # before the run: the round's first peer on a fresh file for WARMUP
