@@ -16,20 +16,21 @@ import (
 	"github.com/nbdmapper/nbdmapper/remote"
 	"github.com/nbdmapper/nbdmapper/snapshot"
 	"github.com/nbdmapper/nbdmapper/table"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // errnoNames are the NBD error values the server replies with (the Linux
 // errno numbers), as errno label values. Every one exists for every export
 // and op from the start; anything else would be counted as "other".
 var errnoNames = map[uint32]string{
-	nbdtarget.EPERM:     "EPERM",
-	nbdtarget.EIO:       "EIO",
-	nbdtarget.ENOMEM:    "ENOMEM",
-	nbdtarget.EINVAL:    "EINVAL",
-	nbdtarget.ENOSPC:    "ENOSPC",
-	nbdtarget.EOVERFLOW: "EOVERFLOW",
-	nbdtarget.ENOTSUP:   "ENOTSUP",
-	nbdtarget.ESHUTDOWN: "ESHUTDOWN",
+	wire.EPERM:     "EPERM",
+	wire.EIO:       "EIO",
+	wire.ENOMEM:    "ENOMEM",
+	wire.EINVAL:    "EINVAL",
+	wire.ENOSPC:    "ENOSPC",
+	wire.EOVERFLOW: "EOVERFLOW",
+	wire.ENOTSUP:   "ENOTSUP",
+	wire.ESHUTDOWN: "ESHUTDOWN",
 }
 
 // errnoOrder is errnoNames' keys ascending, for a stable exposition.

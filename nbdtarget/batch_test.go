@@ -12,6 +12,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // countingServer serves on a listener whose connections count the writes
@@ -59,7 +60,7 @@ func TestRepliesBatched(t *testing.T) {
 // sendTogether sends n reads of 512 bytes in one write and takes their
 // replies, returning the writes the server made for them.
 func sendTogether(t *testing.T, srv *countingServer, c *rawClient, n int) int64 {
-	return sendTogetherOf(t, srv, c, cmdRead, n)
+	return sendTogetherOf(t, srv, c, wire.CmdRead, n)
 }
 
 // sendTogetherOf is sendTogether for reads or for writes of 4 KiB.
@@ -67,13 +68,13 @@ func sendTogetherOf(t *testing.T, srv *countingServer, c *rawClient, typ uint16,
 	t.Helper()
 	before := srv.writes.Load()
 	length, data := 512, 512
-	if typ == cmdWrite {
+	if typ == wire.CmdWrite {
 		length, data = 4096, 0
 	}
 	var reqs []byte
 	for h := range uint64(n) {
-		reqs = encodeRequest(reqs, request{Type: typ, Handle: h, Offset: offA, Length: uint32(length)})
-		if typ == cmdWrite {
+		reqs = wire.AppendRequest(reqs, wire.Request{Type: typ, Handle: h, Offset: offA, Length: uint32(length)})
+		if typ == wire.CmdWrite {
 			reqs = append(reqs, make([]byte, length)...)
 		}
 	}
@@ -91,7 +92,7 @@ func sendTogetherOf(t *testing.T, srv *countingServer, c *rawClient, typ uint16,
 // outnumber the Ps: then the writes saved are CPU for the others.
 func TestRepliesNotHeldForShallowClient(t *testing.T) {
 	const n = holdWindow / 2
-	for _, typ := range []uint16{cmdRead, cmdWrite} {
+	for _, typ := range []uint16{wire.CmdRead, wire.CmdWrite} {
 		// Writes: the buffered requests are counted by their payloads too.
 		t.Run(fmt.Sprintf("alone, type %d", typ), func(t *testing.T) {
 			srv := &countingServer{Server: &Server{MaxInFlight: 1}}
@@ -159,7 +160,7 @@ func TestRepliesNotHeldBehindSlowRequest(t *testing.T) {
 			if h == gated {
 				off = offGate
 			}
-			reqs = encodeRequest(reqs, request{Type: cmdRead, Handle: h, Offset: off, Length: 4096})
+			reqs = wire.AppendRequest(reqs, wire.Request{Type: wire.CmdRead, Handle: h, Offset: off, Length: 4096})
 		}
 		c.write(reqs)
 		for want := uint64(1); want < gated; want++ {
@@ -177,9 +178,9 @@ func TestRepliesNotHeldBehindSlowRequest(t *testing.T) {
 		open := opener(t, f.gate)
 		c := dialRaw(t, f.sock)
 		c.connect("t", false, false)
-		c.request(cmdRead, 0, 1, offGate, 4096, nil)
+		c.request(wire.CmdRead, 0, 1, offGate, 4096, nil)
 		nbdtest.Recv(t, f.gate.entered, "the gated read to reach its device")
-		c.request(cmdRead, 0, 2, offA, 4096, nil)
+		c.request(wire.CmdRead, 0, 2, offA, 4096, nil)
 		if h, e, _ := c.simple(4096); h != 2 || e != 0 {
 			t.Fatalf("reply handle %d errno %d, want the lone read's while the other is blocked", h, e)
 		}
@@ -228,7 +229,7 @@ func TestOnActive(t *testing.T) {
 	got(1, 2)
 	a.nc.Close()
 	got(1, 2, 1)
-	b.request(cmdDisc, 0, 0, 0, 0, nil)
+	b.request(wire.CmdDisc, 0, 0, 0, 0, nil)
 	got(1, 2, 1, 0)
 }
 
@@ -302,9 +303,9 @@ func TestOnActiveBulk(t *testing.T) {
 			var payload []byte
 			data := 0
 			switch typ {
-			case cmdWrite:
+			case wire.CmdWrite:
 				payload = make([]byte, n)
-			case cmdRead:
+			case wire.CmdRead:
 				data = n
 			}
 			c.request(typ, 0, h, 0, uint32(n), payload)
@@ -319,21 +320,21 @@ func TestOnActiveBulk(t *testing.T) {
 			t.Fatalf("OnActive calls %v, want %v", got, want)
 		}
 	}
-	send(cmdWrite, bulkMin, bulkScore-1)
-	send(cmdFlush, 0, 3)
-	send(cmdWrite, bulkMin-1, 1) // one short of large
-	send(cmdWrite, bulkMin, 1)
+	send(wire.CmdWrite, bulkMin, bulkScore-1)
+	send(wire.CmdFlush, 0, 3)
+	send(wire.CmdWrite, bulkMin-1, 1) // one short of large
+	send(wire.CmdWrite, bulkMin, 1)
 	calls(1)
-	send(cmdWrite, bulkMin, 1)
+	send(wire.CmdWrite, bulkMin, 1)
 	calls(1, 2)
-	send(cmdWrite, bulkMin, 4) // the score stays at its top
-	send(cmdRead, 4*kb, bulkScore-1)
+	send(wire.CmdWrite, bulkMin, 4) // the score stays at its top
+	send(wire.CmdRead, 4*kb, bulkScore-1)
 	calls(1, 2)
-	send(cmdWrite, 4*kb, 1)
+	send(wire.CmdWrite, 4*kb, 1)
 	calls(1, 2, 1)
-	send(cmdWrite, mb, bulkScore)
+	send(wire.CmdWrite, mb, bulkScore)
 	calls(1, 2, 1, 2)
-	c.request(cmdDisc, 0, 0, 0, 0, nil)
+	c.request(wire.CmdDisc, 0, 0, 0, 0, nil)
 	nbdtest.Until(t, "the connection to be counted out", func() bool { return log.is(1, 2, 1, 2, 1, 0) })
 }
 
@@ -383,7 +384,7 @@ func TestTLSRepliesBatched(t *testing.T) {
 	cc.corked = true
 	cc.mu.Unlock()
 	for h := range uint64(n) {
-		c.request(cmdRead, 0, h, 0, 512, nil)
+		c.request(wire.CmdRead, 0, h, 0, 512, nil)
 	}
 	if err := cc.uncork(); err != nil {
 		t.Fatal(err)
@@ -418,7 +419,7 @@ func TestTLSRecordsReadTogether(t *testing.T) {
 	cc.mu.Unlock()
 	before := srv.reads.Load()
 	for h := range uint64(n) {
-		c.request(cmdWrite, 0, h, h*4096, 4096, make([]byte, 4096))
+		c.request(wire.CmdWrite, 0, h, h*4096, 4096, make([]byte, 4096))
 	}
 	if err := cc.uncork(); err != nil {
 		t.Fatal(err)
@@ -442,7 +443,7 @@ func TestBulkLeavesPoller(t *testing.T) {
 	var log activeLog
 	srv, c := log.serve(t, false)
 	for h := range uint64(bulkScore) {
-		c.request(cmdWrite, 0, h, 0, bulkMin, make([]byte, bulkMin))
+		c.request(wire.CmdWrite, 0, h, 0, bulkMin, make([]byte, bulkMin))
 		if got, errno, _ := c.simple(0); got != h || errno != 0 {
 			t.Fatalf("write %d: reply %d, errno %d", h, got, errno)
 		}
@@ -452,7 +453,7 @@ func TestBulkLeavesPoller(t *testing.T) {
 	// still be leaving: a few more writes give it the chance.
 	rs := onlySocket(t, srv)
 	for h := uint64(bulkScore); h < 4*bulkScore && !rs.outside(); h++ {
-		c.request(cmdWrite, 0, h, 0, bulkMin, make([]byte, bulkMin))
+		c.request(wire.CmdWrite, 0, h, 0, bulkMin, make([]byte, bulkMin))
 		if got, errno, _ := c.simple(0); got != h || errno != 0 {
 			t.Fatalf("write %d: reply %d, errno %d", h, got, errno)
 		}
@@ -460,6 +461,6 @@ func TestBulkLeavesPoller(t *testing.T) {
 	if !rs.outside() {
 		t.Fatal("a lone connection writing in bulk is in the poller")
 	}
-	c.request(cmdDisc, 0, 0, 0, 0, nil)
+	c.request(wire.CmdDisc, 0, 0, 0, 0, nil)
 	nbdtest.Until(t, "the connection to be counted out", func() bool { return log.is(1, 2, 1, 0) })
 }

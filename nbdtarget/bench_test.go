@@ -9,6 +9,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // benchServe serves a 64 MiB in-memory export, its pages all allocated if
@@ -38,7 +39,7 @@ func BenchmarkPipelined4K(b *testing.B) {
 	for _, bc := range []struct {
 		name string
 		typ  uint16
-	}{{"read", cmdRead}, {"write", cmdWrite}} {
+	}{{"read", wire.CmdRead}, {"write", wire.CmdWrite}} {
 		b.Run(bc.name, func(b *testing.B) {
 			_, nc := benchServe(b, true)
 
@@ -53,14 +54,14 @@ func BenchmarkPipelined4K(b *testing.B) {
 					if _, err := io.ReadFull(br, hdr[:]); err != nil || binary.BigEndian.Uint32(hdr[4:]) != 0 {
 						panic("bad reply")
 					}
-					if bc.typ == cmdRead {
+					if bc.typ == wire.CmdRead {
 						br.Discard(4096)
 					}
 					<-sem
 				}
 			}()
-			req := encodeRequest(nil, request{Type: bc.typ, Length: 4096})
-			if bc.typ == cmdWrite {
+			req := wire.AppendRequest(nil, wire.Request{Type: bc.typ, Length: 4096})
+			if bc.typ == wire.CmdWrite {
 				req = append(req, make([]byte, 4096)...)
 			}
 			bw := bufio.NewWriterSize(nc, 1<<20)
@@ -91,8 +92,8 @@ func BenchmarkPipelined4K(b *testing.B) {
 func BenchmarkSerial4K(b *testing.B) {
 	srv, nc := benchServe(b, false)
 
-	write := append(encodeRequest(nil, request{Type: cmdWrite, Length: 4096}), make([]byte, 4096)...)
-	flush := encodeRequest(nil, request{Type: cmdFlush})
+	write := append(wire.AppendRequest(nil, wire.Request{Type: wire.CmdWrite, Length: 4096}), make([]byte, 4096)...)
+	flush := wire.AppendRequest(nil, wire.Request{Type: wire.CmdFlush})
 	var reply [16]byte
 	roundTrip := func(req []byte) {
 		if _, err := nc.Write(req); err != nil {
@@ -129,14 +130,14 @@ func TestPipelinedRequestAllocs(t *testing.T) {
 		name     string
 		typ      uint16
 		replyLen int
-	}{{"read", cmdRead, 16 + 4096}, {"write", cmdWrite, 16}} {
+	}{{"read", wire.CmdRead, 16 + 4096}, {"write", wire.CmdWrite, 16}} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, nc := benchServe(t, true)
 			const depth = 32
 			var batch []byte
 			for i := range depth {
-				batch = encodeRequest(batch, request{Type: tc.typ, Handle: uint64(i), Offset: uint64(i) * 4096, Length: 4096})
-				if tc.typ == cmdWrite {
+				batch = wire.AppendRequest(batch, wire.Request{Type: tc.typ, Handle: uint64(i), Offset: uint64(i) * 4096, Length: 4096})
+				if tc.typ == wire.CmdWrite {
 					batch = append(batch, make([]byte, 4096)...)
 				}
 			}

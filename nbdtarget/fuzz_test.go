@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // fakeConn feeds a fixed client byte stream to the server and records
@@ -42,32 +44,32 @@ func (f *fakeConn) output() []byte {
 }
 
 // clientStream builds a well-formed session: flags, options, GO, requests.
-func clientStream(structured bool, reqs ...request) []byte {
+func clientStream(structured bool, reqs ...wire.Request) []byte {
 	b := binary.BigEndian.AppendUint32(nil, 3)
 	opt := func(id uint32, data []byte) {
-		b = binary.BigEndian.AppendUint64(b, magicOpt)
+		b = binary.BigEndian.AppendUint64(b, wire.MagicOpt)
 		b = binary.BigEndian.AppendUint32(b, id)
 		b = binary.BigEndian.AppendUint32(b, uint32(len(data)))
 		b = append(b, data...)
 	}
-	opt(optList, nil)
-	opt(optInfo, infoData("x", infoName, infoDescription, infoBlockSize))
+	opt(wire.OptList, nil)
+	opt(wire.OptInfo, infoData("x", wire.InfoName, wire.InfoDescription, wire.InfoBlockSize))
 	if structured {
-		opt(optStructuredReply, nil)
-		opt(optListMetaContext, metaData("x"))
-		opt(optSetMetaContext, metaData("x", metaBaseAllocation))
+		opt(wire.OptStructuredReply, nil)
+		opt(wire.OptListMetaContext, metaData("x"))
+		opt(wire.OptSetMetaContext, metaData("x", wire.MetaBaseAllocation))
 	}
 	opt(99, []byte("unknown"))
-	opt(optGo, infoData(""))
+	opt(wire.OptGo, infoData(""))
 	return append(b, requestStream(reqs...)...)
 }
 
 // requestStream encodes requests, each WRITE followed by its payload.
-func requestStream(reqs ...request) []byte {
+func requestStream(reqs ...wire.Request) []byte {
 	var b []byte
 	for i, r := range reqs {
-		b = encodeRequest(b, r)
-		if r.Type == cmdWrite {
+		b = wire.AppendRequest(b, r)
+		if r.Type == wire.CmdWrite {
 			b = append(b, bytes.Repeat([]byte{0xa5 ^ byte(i)}, int(r.Length))...)
 		}
 	}
@@ -77,59 +79,59 @@ func requestStream(reqs ...request) []byte {
 // seedRequests touch every segment kind, every command and flag, and the
 // edges: zero lengths, the last byte, one past the end, 2^64-1, a payload
 // past the end, lengths past MaxPayload with and without their payload.
-var seedRequests = []request{
-	{Type: cmdWrite, Handle: 1, Offset: 512, Length: 1024},
-	{Type: cmdRead, Handle: 2, Offset: 0, Length: 4096},
-	{Type: cmdRead, Flags: cfDF, Handle: 3, Offset: 16 * kb, Length: 8 * kb},
-	{Type: cmdBlockStatus, Flags: cfReqOne, Handle: 4, Offset: 0, Length: fuzzSize},
-	{Type: cmdWriteZeroes, Flags: cfFastZero | cfNoHole, Handle: 5, Offset: 32 * kb, Length: 4096},
-	{Type: cmdTrim, Flags: cfFUA, Handle: 6, Offset: 0, Length: 8192},
-	{Type: cmdCache, Handle: 7, Offset: 0, Length: 4096},
-	{Type: cmdFlush, Handle: 8},
-	{Type: cmdWrite, Flags: cfFUA, Handle: 9, Offset: 40*kb - 100, Length: 200},
-	{Type: cmdWrite, Flags: cfFUA, Handle: 10, Offset: 72*kb + 10, Length: 100},
-	{Type: cmdRead, Handle: 11, Offset: 24*kb - 10, Length: 20},
-	{Type: cmdWrite, Handle: 12, Offset: 80*kb + 4000, Length: 200},
-	{Type: cmdRead, Handle: 13, Offset: 0, Length: fuzzSize},
-	{Type: cmdBlockStatus, Handle: 14, Offset: 0, Length: fuzzSize},
-	{Type: cmdWriteZeroes, Handle: 15, Offset: 0, Length: fuzzSize},
-	{Type: cmdTrim, Handle: 16, Offset: 0, Length: fuzzSize},
-	{Type: cmdRead, Handle: 17, Offset: fuzzSize - 1, Length: 1},
-	{Type: cmdRead, Handle: 18, Offset: fuzzSize, Length: 0},
-	{Type: cmdRead, Handle: 19, Offset: fuzzSize, Length: 1},
-	{Type: cmdRead, Handle: 20, Offset: 1<<64 - 1, Length: 1 << 31},
-	{Type: cmdWrite, Handle: 21, Offset: fuzzSize - 512, Length: 513},
-	{Type: cmdCache, Handle: 22, Offset: 0, Length: 1<<32 - 1},
-	{Type: cmdBlockStatus, Handle: 23, Offset: 0, Length: 0},
-	{Type: cmdRead, Handle: 24, Offset: 0, Length: MaxPayload + 1},
-	{Type: cmdFlush, Handle: 25, Offset: 1, Length: 1},
+var seedRequests = []wire.Request{
+	{Type: wire.CmdWrite, Handle: 1, Offset: 512, Length: 1024},
+	{Type: wire.CmdRead, Handle: 2, Offset: 0, Length: 4096},
+	{Type: wire.CmdRead, Flags: wire.CfDF, Handle: 3, Offset: 16 * kb, Length: 8 * kb},
+	{Type: wire.CmdBlockStatus, Flags: wire.CfReqOne, Handle: 4, Offset: 0, Length: fuzzSize},
+	{Type: wire.CmdWriteZeroes, Flags: wire.CfFastZero | wire.CfNoHole, Handle: 5, Offset: 32 * kb, Length: 4096},
+	{Type: wire.CmdTrim, Flags: wire.CfFUA, Handle: 6, Offset: 0, Length: 8192},
+	{Type: wire.CmdCache, Handle: 7, Offset: 0, Length: 4096},
+	{Type: wire.CmdFlush, Handle: 8},
+	{Type: wire.CmdWrite, Flags: wire.CfFUA, Handle: 9, Offset: 40*kb - 100, Length: 200},
+	{Type: wire.CmdWrite, Flags: wire.CfFUA, Handle: 10, Offset: 72*kb + 10, Length: 100},
+	{Type: wire.CmdRead, Handle: 11, Offset: 24*kb - 10, Length: 20},
+	{Type: wire.CmdWrite, Handle: 12, Offset: 80*kb + 4000, Length: 200},
+	{Type: wire.CmdRead, Handle: 13, Offset: 0, Length: fuzzSize},
+	{Type: wire.CmdBlockStatus, Handle: 14, Offset: 0, Length: fuzzSize},
+	{Type: wire.CmdWriteZeroes, Handle: 15, Offset: 0, Length: fuzzSize},
+	{Type: wire.CmdTrim, Handle: 16, Offset: 0, Length: fuzzSize},
+	{Type: wire.CmdRead, Handle: 17, Offset: fuzzSize - 1, Length: 1},
+	{Type: wire.CmdRead, Handle: 18, Offset: fuzzSize, Length: 0},
+	{Type: wire.CmdRead, Handle: 19, Offset: fuzzSize, Length: 1},
+	{Type: wire.CmdRead, Handle: 20, Offset: 1<<64 - 1, Length: 1 << 31},
+	{Type: wire.CmdWrite, Handle: 21, Offset: fuzzSize - 512, Length: 513},
+	{Type: wire.CmdCache, Handle: 22, Offset: 0, Length: 1<<32 - 1},
+	{Type: wire.CmdBlockStatus, Handle: 23, Offset: 0, Length: 0},
+	{Type: wire.CmdRead, Handle: 24, Offset: 0, Length: MaxPayload + 1},
+	{Type: wire.CmdFlush, Handle: 25, Offset: 1, Length: 1},
 	{Type: 42, Handle: 26},
-	{Type: cmdRead, Flags: 1 << 7, Handle: 27},
-	{Type: cmdRead, Handle: 28, Offset: 16 * kb, Length: 4 * kb},
-	{Type: cmdRead, Flags: cfDF, Handle: 29, Offset: 40 * kb, Length: 56 * kb},
-	{Type: cmdDisc, Handle: 30},
+	{Type: wire.CmdRead, Flags: 1 << 7, Handle: 27},
+	{Type: wire.CmdRead, Handle: 28, Offset: 16 * kb, Length: 4 * kb},
+	{Type: wire.CmdRead, Flags: wire.CfDF, Handle: 29, Offset: 40 * kb, Length: 56 * kb},
+	{Type: wire.CmdDisc, Handle: 30},
 }
 
 // holeRequests punch holes in every kind of segment and read them back,
 // before and after writing into them: a's pages, the file, the striped
 // pair (a zeroing that may punch), and the Faulty device.
-var holeRequests = []request{
-	{Type: cmdTrim, Handle: 1, Offset: 0, Length: 16 * kb},
-	{Type: cmdRead, Handle: 2, Offset: 0, Length: 20 * kb},
-	{Type: cmdTrim, Handle: 3, Offset: 56 * kb, Length: 16 * kb},
-	{Type: cmdRead, Handle: 4, Offset: 56 * kb, Length: 16 * kb},
-	{Type: cmdWrite, Handle: 5, Offset: 60*kb + 100, Length: 200},
-	{Type: cmdRead, Handle: 6, Offset: 56 * kb, Length: 16 * kb},
-	{Type: cmdWriteZeroes, Handle: 7, Offset: 40 * kb, Length: 16 * kb},
-	{Type: cmdRead, Handle: 8, Offset: 36 * kb, Length: 24 * kb},
-	{Type: cmdTrim, Handle: 9, Offset: 72 * kb, Length: 8 * kb},
-	{Type: cmdRead, Handle: 10, Offset: 72 * kb, Length: 8 * kb},
-	{Type: cmdFlush, Handle: 11},
-	{Type: cmdRead, Handle: 12, Offset: 72 * kb, Length: 8 * kb},
-	{Type: cmdWrite, Handle: 13, Offset: 4 * kb, Length: 4 * kb},
-	{Type: cmdRead, Flags: cfDF, Handle: 14, Offset: 0, Length: 20 * kb},
-	{Type: cmdRead, Handle: 15, Offset: 0, Length: 20 * kb},
-	{Type: cmdBlockStatus, Handle: 16, Offset: 0, Length: fuzzSize},
+var holeRequests = []wire.Request{
+	{Type: wire.CmdTrim, Handle: 1, Offset: 0, Length: 16 * kb},
+	{Type: wire.CmdRead, Handle: 2, Offset: 0, Length: 20 * kb},
+	{Type: wire.CmdTrim, Handle: 3, Offset: 56 * kb, Length: 16 * kb},
+	{Type: wire.CmdRead, Handle: 4, Offset: 56 * kb, Length: 16 * kb},
+	{Type: wire.CmdWrite, Handle: 5, Offset: 60*kb + 100, Length: 200},
+	{Type: wire.CmdRead, Handle: 6, Offset: 56 * kb, Length: 16 * kb},
+	{Type: wire.CmdWriteZeroes, Handle: 7, Offset: 40 * kb, Length: 16 * kb},
+	{Type: wire.CmdRead, Handle: 8, Offset: 36 * kb, Length: 24 * kb},
+	{Type: wire.CmdTrim, Handle: 9, Offset: 72 * kb, Length: 8 * kb},
+	{Type: wire.CmdRead, Handle: 10, Offset: 72 * kb, Length: 8 * kb},
+	{Type: wire.CmdFlush, Handle: 11},
+	{Type: wire.CmdRead, Handle: 12, Offset: 72 * kb, Length: 8 * kb},
+	{Type: wire.CmdWrite, Handle: 13, Offset: 4 * kb, Length: 4 * kb},
+	{Type: wire.CmdRead, Flags: wire.CfDF, Handle: 14, Offset: 0, Length: 20 * kb},
+	{Type: wire.CmdRead, Handle: 15, Offset: 0, Length: 20 * kb},
+	{Type: wire.CmdBlockStatus, Handle: 16, Offset: 0, Length: fuzzSize},
 }
 
 // TestFuzzSeedsSendHoles: the fuzzers' hole seed gets hole chunks from
@@ -266,15 +268,15 @@ func FuzzRequest(f *testing.F) {
 	for _, mode := range []byte{0, 3, 7, 8, 11, 27} {
 		f.Add(append([]byte{mode}, reqs...))
 	}
-	f.Add(append([]byte{1}, encodeRequest(nil, request{Type: cmdWrite, Length: MaxPayload + 1})...))
+	f.Add(append([]byte{1}, wire.AppendRequest(nil, wire.Request{Type: wire.CmdWrite, Length: MaxPayload + 1})...))
 	for _, mode := range []byte{3, 9, 27} {
 		f.Add(append([]byte{mode}, requestStream(holeRequests...)...))
 	}
 	f.Add(append([]byte{3}, requestStream(
-		request{Type: cmdWrite, Handle: 1, Offset: 16*kb - 300, Length: 600},
-		request{Type: cmdRead, Handle: 1, Offset: 0, Length: 20 * kb},
-		request{Type: cmdWrite, Handle: 2, Offset: 56*kb - 700, Length: 1400},
-		request{Type: cmdBlockStatus, Handle: 2, Offset: 0, Length: fuzzSize},
+		wire.Request{Type: wire.CmdWrite, Handle: 1, Offset: 16*kb - 300, Length: 600},
+		wire.Request{Type: wire.CmdRead, Handle: 1, Offset: 0, Length: 20 * kb},
+		wire.Request{Type: wire.CmdWrite, Handle: 2, Offset: 56*kb - 700, Length: 1400},
+		wire.Request{Type: wire.CmdBlockStatus, Handle: 2, Offset: 0, Length: fuzzSize},
 	)...))
 	file := filepath.Join(f.TempDir(), "file.img")
 	f.Fuzz(func(t *testing.T, data []byte) {
@@ -282,10 +284,10 @@ func FuzzRequest(f *testing.F) {
 			return
 		}
 		mode, stream := data[0], data[1:]
-		if len(stream) >= requestSize {
-			if r, ok := decodeRequest(stream); ok {
-				if back := encodeRequest(nil, r); !bytes.Equal(back, stream[:requestSize]) {
-					t.Fatalf("round trip %x != %x", back, stream[:requestSize])
+		if len(stream) >= wire.RequestSize {
+			if r, ok := wire.DecodeRequest(stream); ok {
+				if back := wire.AppendRequest(nil, r); !bytes.Equal(back, stream[:wire.RequestSize]) {
+					t.Fatalf("round trip %x != %x", back, stream[:wire.RequestSize])
 				}
 			}
 		}

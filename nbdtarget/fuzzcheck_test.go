@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // The fuzzers' oracle: it reads the client's byte stream as proto.md
@@ -55,11 +56,11 @@ func splitRequests(in []byte) []wireReq {
 			off:   binary.BigEndian.Uint64(h[16:]),
 			n:     binary.BigEndian.Uint32(h[24:]),
 		}
-		if r.typ == cmdDisc {
+		if r.typ == wire.CmdDisc {
 			break
 		}
 		end := pos + 28
-		if r.typ == cmdWrite {
+		if r.typ == wire.CmdWrite {
 			if uint64(len(in)-end) < uint64(r.n) {
 				break
 			}
@@ -103,59 +104,59 @@ func (e expect) allows(errno uint32) bool { return slices.Contains(e.allowed, er
 func expectFor(r wireReq, s *session, m *devModel) expect {
 	var bad []uint32
 	size := uint64(s.x.Size())
-	mutates := r.typ == cmdWrite || r.typ == cmdTrim || r.typ == cmdWriteZeroes
-	if r.typ >= numCmds {
-		return expect{invalid: true, mustFail: true, allowed: []uint32{EINVAL}}
+	mutates := r.typ == wire.CmdWrite || r.typ == wire.CmdTrim || r.typ == wire.CmdWriteZeroes
+	if r.typ >= wire.NumCmds {
+		return expect{invalid: true, mustFail: true, allowed: []uint32{wire.EINVAL}}
 	}
-	allowedFlags := cfFUA
+	allowedFlags := wire.CfFUA
 	switch r.typ {
-	case cmdRead:
+	case wire.CmdRead:
 		if s.structured {
-			allowedFlags |= cfDF
+			allowedFlags |= wire.CfDF
 		}
-	case cmdWriteZeroes:
-		allowedFlags |= cfNoHole | cfFastZero
-	case cmdBlockStatus:
-		allowedFlags |= cfReqOne
+	case wire.CmdWriteZeroes:
+		allowedFlags |= wire.CfNoHole | wire.CfFastZero
+	case wire.CmdBlockStatus:
+		allowedFlags |= wire.CfReqOne
 	}
 	if r.flags&^allowedFlags != 0 {
-		bad = append(bad, EINVAL)
+		bad = append(bad, wire.EINVAL)
 	}
 	if mutates && s.x.ReadOnly {
-		bad = append(bad, EPERM)
+		bad = append(bad, wire.EPERM)
 	}
-	if r.typ == cmdFlush && (r.off != 0 || r.n != 0) {
-		bad = append(bad, EINVAL)
+	if r.typ == wire.CmdFlush && (r.off != 0 || r.n != 0) {
+		bad = append(bad, wire.EINVAL)
 	}
 	metaOK := true
-	if r.typ == cmdBlockStatus {
+	if r.typ == wire.CmdBlockStatus {
 		if r.n == 0 || s.meta == metaNo {
-			bad = append(bad, EINVAL)
+			bad = append(bad, wire.EINVAL)
 		}
 		metaOK = s.meta == metaYes
 	}
 	if r.off > size || uint64(r.n) > size-r.off {
-		if r.typ == cmdWrite || r.typ == cmdWriteZeroes {
-			bad = append(bad, ENOSPC)
+		if r.typ == wire.CmdWrite || r.typ == wire.CmdWriteZeroes {
+			bad = append(bad, wire.ENOSPC)
 		} else {
-			bad = append(bad, EINVAL)
+			bad = append(bad, wire.EINVAL)
 		}
 	}
-	if (r.typ == cmdRead || r.typ == cmdWrite) && r.n > MaxPayload {
-		bad = append(bad, EINVAL, EOVERFLOW)
+	if (r.typ == wire.CmdRead || r.typ == wire.CmdWrite) && r.n > MaxPayload {
+		bad = append(bad, wire.EINVAL, wire.EOVERFLOW)
 	}
 	if len(bad) > 0 {
 		return expect{invalid: true, mustFail: true, allowed: bad}
 	}
 	e := expect{allowed: []uint32{0}}
 	if !metaOK {
-		e.allowed = append(e.allowed, EINVAL)
+		e.allowed = append(e.allowed, wire.EINVAL)
 	}
 	off, n := int64(r.off), int64(r.n)
-	if n == 0 && r.typ != cmdFlush && r.typ != cmdBlockStatus {
+	if n == 0 && r.typ != wire.CmdFlush && r.typ != wire.CmdBlockStatus {
 		// proto.md: a zero-length request is not an error, but a server
 		// may still refuse it.
-		e.allowed = append(e.allowed, EINVAL)
+		e.allowed = append(e.allowed, wire.EINVAL)
 		return e
 	}
 	fail := func(errno uint32) {
@@ -165,24 +166,24 @@ func expectFor(r wireReq, s *session, m *devModel) expect {
 		e.allowed = append(e.allowed, errno)
 	}
 	switch r.typ {
-	case cmdRead, cmdWrite, cmdCache:
+	case wire.CmdRead, wire.CmdWrite, wire.CmdCache:
 		if m.touches(off, n, clsError) || m.touches(off, n, clsFail) {
-			fail(EIO)
+			fail(wire.EIO)
 		}
-	case cmdTrim:
+	case wire.CmdTrim:
 		if m.touches(off, n, clsError) {
-			fail(EIO)
+			fail(wire.EIO)
 		}
-	case cmdWriteZeroes:
-		fast := r.flags&cfFastZero != 0
+	case wire.CmdWriteZeroes:
+		fast := r.flags&wire.CfFastZero != 0
 		if fast && !e.mustFail {
-			e.allowed = append(e.allowed, ENOTSUP)
+			e.allowed = append(e.allowed, wire.ENOTSUP)
 		}
 		if m.touches(off, n, clsError) {
-			fail(EIO)
+			fail(wire.EIO)
 		}
 		if fast && m.touches(off, n, clsNoZero) {
-			fail(ENOTSUP)
+			fail(wire.ENOTSUP)
 		}
 	}
 	return e
@@ -252,7 +253,7 @@ func checkTransmission(t testing.TB, s *session, m *devModel, serial bool, reqs 
 func (c *replyChecker) describe(i int) string {
 	r := c.reqs[i]
 	op := "unknown"
-	if int(r.typ) < numCmds {
+	if int(r.typ) < wire.NumCmds {
 		op = Ops[r.typ]
 	}
 	return fmt.Sprintf("%s flags %#x off %#x len %#x", op, r.flags, r.off, r.n)
@@ -285,14 +286,14 @@ func (c *replyChecker) reply(out []byte) []byte {
 		errno, i := binary.BigEndian.Uint32(out[4:]), c.req(binary.BigEndian.Uint64(out[8:]))
 		out = out[16:]
 		r := c.reqs[i]
-		if c.s.structured && (r.typ == cmdRead || r.typ == cmdBlockStatus) {
+		if c.s.structured && (r.typ == wire.CmdRead || r.typ == wire.CmdBlockStatus) {
 			c.t.Fatalf("request %d (%s): simple reply after structured replies were negotiated", i, c.describe(i))
 		}
-		if r.typ == cmdBlockStatus && errno == 0 {
+		if r.typ == wire.CmdBlockStatus && errno == 0 {
 			c.t.Fatalf("request %d (%s): simple success reply to BLOCK_STATUS", i, c.describe(i))
 		}
 		res := &c.res[i]
-		if r.typ == cmdRead && errno == 0 {
+		if r.typ == wire.CmdRead && errno == 0 {
 			c.need(out, int(r.n), "a read's data")
 			res.data = out[:r.n]
 			res.got = make([]bool, r.n)
@@ -346,12 +347,12 @@ func (c *replyChecker) chunk(i int, flags, typ uint16, p []byte) {
 		}
 	}
 	switch typ {
-	case chunkNone:
+	case wire.ChunkNone:
 		if len(p) != 0 || flags&wireDone == 0 {
 			fail("NONE chunk with %d bytes, flags %#x", len(p), flags)
 		}
-	case chunkOffsetData:
-		if r.typ != cmdRead || len(p) < 8 {
+	case wire.ChunkOffsetData:
+		if r.typ != wire.CmdRead || len(p) < 8 {
 			fail("OFFSET_DATA of %d bytes", len(p))
 		}
 		off := binary.BigEndian.Uint64(p)
@@ -360,8 +361,8 @@ func (c *replyChecker) chunk(i int, flags, typ uint16, p []byte) {
 		}
 		res.data1++
 		cover(off, p[8:], uint64(len(p)-8))
-	case chunkOffsetHole:
-		if r.typ != cmdRead || len(p) != 12 {
+	case wire.ChunkOffsetHole:
+		if r.typ != wire.CmdRead || len(p) != 12 {
 			fail("OFFSET_HOLE of %d bytes", len(p))
 		}
 		off, n := binary.BigEndian.Uint64(p), uint64(binary.BigEndian.Uint32(p[8:]))
@@ -371,8 +372,8 @@ func (c *replyChecker) chunk(i int, flags, typ uint16, p []byte) {
 		res.holes++
 		fuzzHoleChunks.Add(1)
 		cover(off, nil, n)
-	case chunkBlockStatus:
-		if r.typ != cmdBlockStatus || len(p) < 12 || (len(p)-4)%8 != 0 {
+	case wire.ChunkBlockStatus:
+		if r.typ != wire.CmdBlockStatus || len(p) < 12 || (len(p)-4)%8 != 0 {
 			fail("BLOCK_STATUS chunk of %d bytes", len(p))
 		}
 		if id := binary.BigEndian.Uint32(p); id != c.s.metaID {
@@ -382,21 +383,21 @@ func (c *replyChecker) chunk(i int, flags, typ uint16, p []byte) {
 		for q := p[4:]; len(q) > 0; q = q[8:] {
 			res.exts = append(res.exts, [2]uint32{binary.BigEndian.Uint32(q), binary.BigEndian.Uint32(q[4:])})
 		}
-	case chunkError, chunkErrorOffset:
+	case wire.ChunkError, wire.ChunkErrorOffset:
 		if len(p) < 6 {
 			fail("error chunk of %d bytes", len(p))
 		}
 		errno, msg := binary.BigEndian.Uint32(p), int(binary.BigEndian.Uint16(p[4:]))
 		want := 6 + msg
-		if typ == chunkErrorOffset {
+		if typ == wire.ChunkErrorOffset {
 			want += 8
 		}
 		if len(p) != want || errno == 0 {
 			fail("error chunk of %d bytes, message %d, errno %d", len(p), msg, errno)
 		}
-		if typ == chunkErrorOffset {
+		if typ == wire.ChunkErrorOffset {
 			off := binary.BigEndian.Uint64(p[6+msg:])
-			if r.typ != cmdRead || !inRange(off, 1) {
+			if r.typ != wire.CmdRead || !inRange(off, 1) {
 				fail("ERROR_OFFSET %#x outside the request", off)
 			}
 		}
@@ -429,7 +430,7 @@ func (c *replyChecker) finish(i int) {
 	}
 	if res.errno == 0 {
 		switch r.typ {
-		case cmdRead:
+		case wire.CmdRead:
 			if res.data == nil && r.n > 0 {
 				fail("success without data")
 			}
@@ -438,10 +439,10 @@ func (c *replyChecker) finish(i int) {
 					fail("byte %#x of a successful read never sent", r.off+uint64(k))
 				}
 			}
-			if r.flags&cfDF != 0 && (res.data1 > 1 || res.holes > 0) {
+			if r.flags&wire.CfDF != 0 && (res.data1 > 1 || res.holes > 0) {
 				fail("DF read answered in %d data and %d hole chunks", res.data1, res.holes)
 			}
-		case cmdBlockStatus:
+		case wire.CmdBlockStatus:
 			if res.bsSeen != 1 {
 				fail("%d BLOCK_STATUS chunks for one context", res.bsSeen)
 			}
@@ -452,7 +453,7 @@ func (c *replyChecker) finish(i int) {
 				}
 				sum += uint64(x[0])
 			}
-			if r.flags&cfReqOne != 0 && (len(res.exts) != 1 || sum > uint64(r.n)) {
+			if r.flags&wire.CfReqOne != 0 && (len(res.exts) != 1 || sum > uint64(r.n)) {
 				fail("REQ_ONE answered with %v", res.exts)
 			}
 			if r.off+sum > uint64(c.s.x.Size()) {
@@ -477,7 +478,7 @@ func (c *replyChecker) checkData(i int, ok func(at int64, v byte) bool) {
 				i, c.describe(i), at, res.data[k], c.m.cls[at], c.m.state[at], c.m.val[at])
 		}
 	}
-	if r.typ != cmdBlockStatus || res.errno != 0 {
+	if r.typ != wire.CmdBlockStatus || res.errno != 0 {
 		return
 	}
 	at := int64(r.off)
@@ -501,13 +502,13 @@ func (c *replyChecker) apply(i int) {
 	}
 	off, n := int64(r.off), int64(r.n)
 	switch {
-	case r.typ == cmdWrite && res.errno == 0:
+	case r.typ == wire.CmdWrite && res.errno == 0:
 		c.m.set(off, r.payload, n)
-	case r.typ == cmdWrite:
+	case r.typ == wire.CmdWrite:
 		c.m.weaken(off, n, anyValue)
-	case r.typ == cmdWriteZeroes && res.errno == 0:
+	case r.typ == wire.CmdWriteZeroes && res.errno == 0:
 		c.m.set(off, nil, n)
-	case r.typ == cmdWriteZeroes, r.typ == cmdTrim:
+	case r.typ == wire.CmdWriteZeroes, r.typ == wire.CmdTrim:
 		c.m.weaken(off, n, exactOrZero)
 	}
 }
@@ -525,13 +526,13 @@ func (c *replyChecker) candidates() func(at int64, v byte) bool {
 		}
 		off, n := int64(r.off), int64(r.n)
 		switch {
-		case r.typ == cmdWrite && c.res[i].errno == 0:
+		case r.typ == wire.CmdWrite && c.res[i].errno == 0:
 			writes = append(writes, i)
-		case r.typ == cmdWrite:
+		case r.typ == wire.CmdWrite:
 			for k := off; k < off+n; k++ {
 				anyOK[k] = true
 			}
-		case r.typ == cmdWriteZeroes, r.typ == cmdTrim:
+		case r.typ == wire.CmdWriteZeroes, r.typ == wire.CmdTrim:
 			for k := off; k < off+n; k++ {
 				zeroOK[k] = true
 			}

@@ -6,6 +6,8 @@ import (
 	"math/bits"
 	"slices"
 	"testing"
+
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // hsWalker follows a client's handshake bytes as proto.md defines them.
@@ -55,7 +57,7 @@ func (w *hsWalker) walk() *Export {
 		}
 		w.opt = binary.BigEndian.Uint32(h[8:])
 		n := binary.BigEndian.Uint32(h[12:])
-		if n > 64<<10 && w.opt == optExportName {
+		if n > 64<<10 && w.opt == wire.OptExportName {
 			return w.end()
 		}
 		data, ok := w.client(int(min(n, 1<<30)))
@@ -137,7 +139,7 @@ func (w *hsWalker) errorReply() {
 
 func (w *hsWalker) ack() {
 	w.t.Helper()
-	if r := w.reply(repAck); r.typ != repAck || len(r.data) != 0 {
+	if r := w.reply(wire.RepAck); r.typ != wire.RepAck || len(r.data) != 0 {
 		w.t.Fatalf("option %d: reply %#x with %d bytes, want ACK", w.opt, r.typ, len(r.data))
 	}
 }
@@ -160,8 +162,8 @@ func (w *hsWalker) checkFlags(x *Export, size uint64, flags uint16) {
 	if !w.check {
 		return
 	}
-	if size != uint64(x.Size()) || flags&tfHasFlags == 0 || (flags&tfReadOnly != 0) != x.ReadOnly ||
-		(!w.structured && flags&tfSendDF != 0) {
+	if size != uint64(x.Size()) || flags&wire.TfHasFlags == 0 || (flags&wire.TfReadOnly != 0) != x.ReadOnly ||
+		(!w.structured && flags&wire.TfSendDF != 0) {
 		w.t.Fatalf("option %d: export %q advertised as size %d flags %#x", w.opt, x.Name, size, flags)
 	}
 }
@@ -171,7 +173,7 @@ func (w *hsWalker) checkFlags(x *Export, size uint64, flags uint16) {
 func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 	d := wireData{b: data}
 	switch w.opt {
-	case optExportName:
+	case wire.OptExportName:
 		x := w.lookup(string(data))
 		if x == nil {
 			return w.end(), true
@@ -188,24 +190,24 @@ func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 		}
 		return x, true
 
-	case optAbort:
+	case wire.OptAbort:
 		if w.check && w.op < len(w.out) {
 			w.ack()
 		}
 		return w.end(), true
 
-	case optList:
+	case wire.OptList:
 		if len(data) != 0 {
 			w.errorReply()
 			return nil, false
 		}
 		var names []string
 		for {
-			r := w.reply(repAck)
-			if r.typ == repAck {
+			r := w.reply(wire.RepAck)
+			if r.typ == wire.RepAck {
 				break
 			}
-			if r.typ != repServer || len(r.data) < 4 || uint64(binary.BigEndian.Uint32(r.data)) > uint64(len(r.data)-4) {
+			if r.typ != wire.RepServer || len(r.data) < 4 || uint64(binary.BigEndian.Uint32(r.data)) > uint64(len(r.data)-4) {
 				w.t.Fatalf("LIST: reply %#x %x", r.typ, r.data)
 			}
 			names = append(names, string(r.data[4:4+binary.BigEndian.Uint32(r.data)]))
@@ -223,7 +225,7 @@ func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 		}
 		return nil, false
 
-	case optInfo, optGo:
+	case wire.OptInfo, wire.OptGo:
 		name := d.str(d.u32())
 		for n := d.u16(); n > 0 && !d.bad; n-- {
 			d.u16()
@@ -235,11 +237,11 @@ func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 		}
 		sawExport := false
 		for {
-			r := w.reply(repAck)
-			if r.typ == repAck {
+			r := w.reply(wire.RepAck)
+			if r.typ == wire.RepAck {
 				break
 			}
-			if r.typ != repInfo || len(r.data) < 2 {
+			if r.typ != wire.RepInfo || len(r.data) < 2 {
 				w.t.Fatalf("INFO/GO %q: reply %#x %x", name, r.typ, r.data)
 			}
 			w.info(x, r.data, &sawExport)
@@ -247,7 +249,7 @@ func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 		if w.check && !sawExport {
 			w.t.Fatalf("INFO/GO %q: no INFO_EXPORT before ACK", name)
 		}
-		if w.opt == optInfo {
+		if w.opt == wire.OptInfo {
 			return nil, false
 		}
 		if w.metaExport != x {
@@ -255,14 +257,14 @@ func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 		}
 		return x, true
 
-	case optStructuredReply:
+	case wire.OptStructuredReply:
 		if len(data) != 0 {
 			w.errorReply()
 			return nil, false
 		}
-		r := w.reply(repAck)
+		r := w.reply(wire.RepAck)
 		switch {
-		case r.typ == repAck && len(r.data) == 0:
+		case r.typ == wire.RepAck && len(r.data) == 0:
 			w.structured = true
 		case r.typ&wireRepErrBit != 0 && w.structured: // a second one may be refused
 		default:
@@ -270,8 +272,8 @@ func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 		}
 		return nil, false
 
-	case optListMetaContext, optSetMetaContext:
-		set := w.opt == optSetMetaContext
+	case wire.OptListMetaContext, wire.OptSetMetaContext:
+		set := w.opt == wire.OptSetMetaContext
 		if set {
 			w.meta, w.metaExport = metaNo, nil
 		}
@@ -280,7 +282,7 @@ func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 		match := n == 0 && !set
 		for ; n > 0 && !d.bad; n-- {
 			switch q := d.str(d.u32()); {
-			case q == metaBaseAllocation:
+			case q == wire.MetaBaseAllocation:
 				match = true
 			case q == "base:" && !set:
 				match = true
@@ -299,11 +301,11 @@ func (w *hsWalker) option(data []byte) (x *Export, done bool) {
 		}
 		contexts := 0
 		for {
-			r := w.reply(repMetaContext)
-			if r.typ == repAck {
+			r := w.reply(wire.RepMetaContext)
+			if r.typ == wire.RepAck {
 				break
 			}
-			if r.typ != repMetaContext || len(r.data) < 4 || string(r.data[4:]) != metaBaseAllocation {
+			if r.typ != wire.RepMetaContext || len(r.data) < 4 || string(r.data[4:]) != wire.MetaBaseAllocation {
 				w.t.Fatalf("META_CONTEXT: reply %#x %q", r.typ, r.data)
 			}
 			contexts++
@@ -327,18 +329,18 @@ func (w *hsWalker) info(x *Export, b []byte, sawExport *bool) {
 	}
 	p := b[2:]
 	switch typ := binary.BigEndian.Uint16(b); typ {
-	case infoExport:
+	case wire.InfoExport:
 		if len(p) != 10 || *sawExport {
 			w.t.Fatalf("INFO_EXPORT %x (again: %v)", p, *sawExport)
 		}
 		*sawExport = true
 		w.checkFlags(x, binary.BigEndian.Uint64(p), binary.BigEndian.Uint16(p[8:]))
-	case infoName:
+	case wire.InfoName:
 		if string(p) != x.Name {
 			w.t.Fatalf("INFO_NAME %q for export %q", p, x.Name)
 		}
-	case infoDescription:
-	case infoBlockSize:
+	case wire.InfoDescription:
+	case wire.InfoBlockSize:
 		if len(p) != 12 {
 			w.t.Fatalf("INFO_BLOCK_SIZE of %d bytes", len(p))
 		}

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // Handshake errors: each ends only the connection it happened on.
@@ -18,14 +20,14 @@ var (
 // transmissionFlags are the flags advertised for an export: exactly what
 // the transmission phase implements. DF needs structured replies.
 func transmissionFlags(readOnly, structured bool) uint16 {
-	f := tfHasFlags | tfSendFlush | tfSendFUA | tfSendCache | tfCanMultiConn
+	f := wire.TfHasFlags | wire.TfSendFlush | wire.TfSendFUA | wire.TfSendCache | wire.TfCanMultiConn
 	if readOnly {
-		f |= tfReadOnly
+		f |= wire.TfReadOnly
 	} else {
-		f |= tfSendTrim | tfSendWriteZeroes | tfSendFastZero
+		f |= wire.TfSendTrim | wire.TfSendWriteZeroes | wire.TfSendFastZero
 	}
 	if structured {
-		f |= tfSendDF
+		f |= wire.TfSendDF
 	}
 	return f
 }
@@ -38,7 +40,7 @@ func transmissionFlags(readOnly, structured bool) uint16 {
 //	C: option, S: reply(ies)   ... repeated
 //	C: GO (S: INFO..., ACK) or EXPORT_NAME (S: size, flags[, 124 zeros])
 func (c *conn) handshake() (*Export, error) {
-	g := greeting{OldstyleMagic: magicNBD, OptionMagic: magicOpt, HandshakeFlags: flagFixedNewstyle | flagNoZeroes}
+	g := wire.Greeting{OldstyleMagic: wire.MagicNBD, OptionMagic: wire.MagicOpt, HandshakeFlags: wire.FlagFixedNewstyle | wire.FlagNoZeroes}
 	if err := binary.Write(c.bw, binary.BigEndian, g); err != nil {
 		return nil, err
 	}
@@ -49,28 +51,28 @@ func (c *conn) handshake() (*Export, error) {
 	if err := binary.Read(c.br, binary.BigEndian, &cflags); err != nil {
 		return nil, err
 	}
-	if cflags&^clientKnown != 0 {
+	if cflags&^wire.ClientKnown != 0 {
 		return nil, fmt.Errorf("%w %#x", errClientFlags, cflags)
 	}
-	c.noZeroes = cflags&clientNoZeroes != 0
+	c.noZeroes = cflags&wire.ClientNoZeroes != 0
 
 	for {
-		var h optionHeader
+		var h wire.OptionHeader
 		if err := binary.Read(c.br, binary.BigEndian, &h); err != nil {
 			return nil, err
 		}
-		if h.OptionMagic != magicOpt {
+		if h.OptionMagic != wire.MagicOpt {
 			return nil, fmt.Errorf("%w %#x", errOptMagic, h.OptionMagic)
 		}
 		if h.Length > maxOptionLen {
-			if h.ID == optExportName {
+			if h.ID == wire.OptExportName {
 				return nil, fmt.Errorf("EXPORT_NAME of %d bytes", h.Length)
 			}
 			// Skip it without holding it in memory, and stay in sync.
 			if _, err := io.CopyN(io.Discard, c.br, int64(h.Length)); err != nil {
 				return nil, err
 			}
-			if err := c.optReply(h.ID, repErrTooBig, []byte("option data too long")); err != nil {
+			if err := c.optReply(h.ID, wire.RepErrTooBig, []byte("option data too long")); err != nil {
 				return nil, err
 			}
 			continue
@@ -96,7 +98,7 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 		return nil, err
 	}
 	switch id {
-	case optExportName:
+	case wire.OptExportName:
 		// No error reply is possible for EXPORT_NAME.
 		x := c.srv.lookup(string(data))
 		if x == nil {
@@ -109,7 +111,7 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 		b := binary.BigEndian.AppendUint64(nil, uint64(x.Size()))
 		b = binary.BigEndian.AppendUint16(b, transmissionFlags(c.readOnly(x), c.structured))
 		if !c.noZeroes {
-			b = append(b, make([]byte, exportNamePad)...)
+			b = append(b, make([]byte, wire.ExportNamePad)...)
 		}
 		if !c.join(x) {
 			return nil, fmt.Errorf("%w %q (removed)", errNoExport, data)
@@ -119,14 +121,14 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 		}
 		return x, c.bw.Flush()
 
-	case optAbort:
+	case wire.OptAbort:
 		// The client may not wait for this ACK; ignore a failed write.
-		c.optReply(id, repAck, nil)
+		c.optReply(id, wire.RepAck, nil)
 		return nil, errAbort
 
-	case optList:
+	case wire.OptList:
 		if len(data) != 0 {
-			return nil, c.optReply(id, repErrInvalid, []byte("LIST takes no data"))
+			return nil, c.optReply(id, wire.RepErrInvalid, []byte("LIST takes no data"))
 		}
 		for _, x := range c.srv.ExportList() {
 			if c.access(x) < accessReadOnly {
@@ -135,29 +137,29 @@ func (c *conn) option(id uint32, data []byte) (*Export, error) {
 			b := binary.BigEndian.AppendUint32(nil, uint32(len(x.Name)))
 			b = append(b, x.Name...)
 			b = append(b, x.Description...)
-			if err := c.optReply(id, repServer, b); err != nil {
+			if err := c.optReply(id, wire.RepServer, b); err != nil {
 				return nil, err
 			}
 		}
-		return nil, c.optReply(id, repAck, nil)
+		return nil, c.optReply(id, wire.RepAck, nil)
 
-	case optInfo, optGo:
+	case wire.OptInfo, wire.OptGo:
 		return c.optInfo(id, data)
 
-	case optStartTLS:
+	case wire.OptStartTLS:
 		return nil, c.startTLS(data)
 
-	case optStructuredReply:
+	case wire.OptStructuredReply:
 		if len(data) != 0 {
-			return nil, c.optReply(id, repErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
+			return nil, c.optReply(id, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
 		}
 		c.structured = true
-		return nil, c.optReply(id, repAck, nil)
+		return nil, c.optReply(id, wire.RepAck, nil)
 
-	case optListMetaContext, optSetMetaContext:
+	case wire.OptListMetaContext, wire.OptSetMetaContext:
 		return nil, c.optMeta(id, data)
 	}
-	return nil, c.optReply(id, repErrUnsup, []byte("option not supported"))
+	return nil, c.optReply(id, wire.RepErrUnsup, []byte("option not supported"))
 }
 
 // optInfo handles INFO and GO:
@@ -179,52 +181,52 @@ func (c *conn) optInfo(id uint32, data []byte) (*Export, error) {
 		reqs = append(reqs, r)
 	}
 	if !d.done() {
-		return nil, c.optReply(id, repErrInvalid, []byte("malformed INFO/GO request"))
+		return nil, c.optReply(id, wire.RepErrInvalid, []byte("malformed INFO/GO request"))
 	}
 	x, rep, msg := c.export(name)
 	if x == nil {
 		return nil, c.optReply(id, rep, []byte(msg))
 	}
-	b := binary.BigEndian.AppendUint16(nil, infoExport)
+	b := binary.BigEndian.AppendUint16(nil, wire.InfoExport)
 	b = binary.BigEndian.AppendUint64(b, uint64(x.Size()))
 	b = binary.BigEndian.AppendUint16(b, transmissionFlags(c.readOnly(x), c.structured))
-	if err := c.optReply(id, repInfo, b); err != nil {
+	if err := c.optReply(id, wire.RepInfo, b); err != nil {
 		return nil, err
 	}
 	sentName, sentDesc, sentBlock := false, false, false
 	for _, r := range reqs {
 		switch {
-		case r == infoBlockSize && !sentBlock:
+		case r == wire.InfoBlockSize && !sentBlock:
 			// Only to clients that ask: asking promises to keep within
 			// the limits, and the others may send READ and WRITE of any
 			// length, which are served piece by piece.
 			sentBlock = true
-			b = binary.BigEndian.AppendUint16(b[:0], infoBlockSize)
+			b = binary.BigEndian.AppendUint16(b[:0], wire.InfoBlockSize)
 			b = binary.BigEndian.AppendUint32(b, MinBlockSize)
 			b = binary.BigEndian.AppendUint32(b, PreferredBlockSize)
 			b = binary.BigEndian.AppendUint32(b, MaxPayload)
-		case r == infoName && !sentName:
+		case r == wire.InfoName && !sentName:
 			sentName = true
-			b = binary.BigEndian.AppendUint16(b[:0], infoName)
+			b = binary.BigEndian.AppendUint16(b[:0], wire.InfoName)
 			b = append(b, x.Name...)
-		case r == infoDescription && !sentDesc && x.Description != "":
+		case r == wire.InfoDescription && !sentDesc && x.Description != "":
 			sentDesc = true
-			b = binary.BigEndian.AppendUint16(b[:0], infoDescription)
+			b = binary.BigEndian.AppendUint16(b[:0], wire.InfoDescription)
 			b = append(b, x.Description...)
 		default:
 			continue
 		}
-		if err := c.optReply(id, repInfo, b); err != nil {
+		if err := c.optReply(id, wire.RepInfo, b); err != nil {
 			return nil, err
 		}
 	}
-	if id == optGo && !c.join(x) {
-		return nil, c.optReply(id, repErrUnknown, []byte("export removed"))
+	if id == wire.OptGo && !c.join(x) {
+		return nil, c.optReply(id, wire.RepErrUnknown, []byte("export removed"))
 	}
-	if err := c.optReply(id, repAck, nil); err != nil {
+	if err := c.optReply(id, wire.RepAck, nil); err != nil {
 		return nil, err
 	}
-	if id == optInfo {
+	if id == wire.OptInfo {
 		return nil, nil
 	}
 	if c.metaExport != x {
@@ -242,12 +244,12 @@ func (c *conn) optInfo(id uint32, data []byte) (*Export, error) {
 // base:allocation is the only context. LIST with no queries lists it, and
 // so does the namespace query "base:"; SET selects it only by its full name.
 func (c *conn) optMeta(id uint32, data []byte) error {
-	set := id == optSetMetaContext
+	set := id == wire.OptSetMetaContext
 	if set {
 		c.meta, c.metaExport = false, nil
 	}
 	if !c.structured {
-		return c.optReply(id, repErrInvalid, []byte("structured replies not negotiated"))
+		return c.optReply(id, wire.RepErrInvalid, []byte("structured replies not negotiated"))
 	}
 	d := optData{b: data}
 	name := d.str(d.u32())
@@ -259,14 +261,14 @@ func (c *conn) optMeta(id uint32, data []byte) error {
 			break
 		}
 		switch {
-		case q == metaBaseAllocation:
+		case q == wire.MetaBaseAllocation:
 			match = true
 		case q == "base:" && !set:
 			match = true
 		}
 	}
 	if !d.done() {
-		return c.optReply(id, repErrInvalid, []byte("malformed meta context request"))
+		return c.optReply(id, wire.RepErrInvalid, []byte("malformed meta context request"))
 	}
 	x, rep, msg := c.export(name)
 	if x == nil {
@@ -282,17 +284,17 @@ func (c *conn) optMeta(id uint32, data []byte) error {
 			c.meta, c.metaExport = true, x
 		}
 		b := binary.BigEndian.AppendUint32(nil, ctxID)
-		b = append(b, metaBaseAllocation...)
-		if err := c.optReply(id, repMetaContext, b); err != nil {
+		b = append(b, wire.MetaBaseAllocation...)
+		if err := c.optReply(id, wire.RepMetaContext, b); err != nil {
 			return err
 		}
 	}
-	return c.optReply(id, repAck, nil)
+	return c.optReply(id, wire.RepAck, nil)
 }
 
 // optReply sends one option reply and flushes it.
 func (c *conn) optReply(id, typ uint32, data []byte) error {
-	h := optionReply{ReplyMagic: magicOptReply, ID: id, Type: typ, Length: uint32(len(data))}
+	h := wire.OptionReply{ReplyMagic: wire.MagicOptReply, ID: id, Type: typ, Length: uint32(len(data))}
 	if err := binary.Write(c.bw, binary.BigEndian, h); err != nil {
 		return err
 	}
@@ -329,7 +331,7 @@ func (d *optData) u32() uint32 {
 }
 
 func (d *optData) str(n uint32) string {
-	if d.bad || uint64(n) > uint64(len(d.b)) || n > maxStringLen {
+	if d.bad || uint64(n) > uint64(len(d.b)) || n > wire.MaxStringLen {
 		d.bad, d.b = true, nil
 		return ""
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // waitFor polls cond until it holds; the bound only turns a hang into a
@@ -50,7 +51,7 @@ func TestHandshakeDeadline(t *testing.T) {
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
 	time.Sleep(100 * time.Millisecond)
-	c.request(cmdRead, 0, 1, 0, 512, nil)
+	c.request(wire.CmdRead, 0, 1, 0, 512, nil)
 	if h, errno, _ := c.simple(512); h != 1 || errno != 0 {
 		t.Fatalf("read after the deadline: handle %d errno %d", h, errno)
 	}
@@ -73,7 +74,7 @@ func TestMaxConnections(t *testing.T) {
 	waitFor(t, "the closed connection to be dropped", func() bool { return f.srv.Stats().Connections == 1 })
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
-	c.request(cmdRead, 0, 7, 0, 512, nil)
+	c.request(wire.CmdRead, 0, 7, 0, 512, nil)
 	if h, errno, _ := c.simple(512); h != 7 || errno != 0 {
 		t.Fatalf("read on a new connection: handle %d errno %d", h, errno)
 	}
@@ -116,7 +117,7 @@ func TestAcceptBacksOffOnTemporaryErrors(t *testing.T) {
 	go func() { served <- f.srv.Serve(l) }()
 	c := dialRaw(t, sock)
 	c.connect("t", false, false)
-	c.request(cmdRead, 0, 1, 0, 512, nil)
+	c.request(wire.CmdRead, 0, 1, 0, 512, nil)
 	if h, errno, _ := c.simple(512); h != 1 || errno != 0 {
 		t.Fatalf("read: handle %d errno %d", h, errno)
 	}
@@ -233,16 +234,16 @@ func abort(nc net.Conn, point int, payload []byte) {
 	}
 	switch point {
 	case 3: // half a request header
-		nc.Write(encodeRequest(nil, request{Type: cmdRead, Length: 512})[:13])
+		nc.Write(wire.AppendRequest(nil, wire.Request{Type: wire.CmdRead, Length: 512})[:13])
 	case 4: // a WRITE header and half its payload
-		nc.Write(encodeRequest(nil, request{Type: cmdWrite, Length: uint32(len(payload))}))
+		nc.Write(wire.AppendRequest(nil, wire.Request{Type: wire.CmdWrite, Length: uint32(len(payload))}))
 		nc.Write(payload[:len(payload)/2])
 	case 5: // reads in flight, replies never read
 		for h := range 64 {
-			nc.Write(encodeRequest(nil, request{Type: cmdRead, Handle: uint64(h), Length: 64 * kb}))
+			nc.Write(wire.AppendRequest(nil, wire.Request{Type: wire.CmdRead, Handle: uint64(h), Length: 64 * kb}))
 		}
 	case 6: // a long write, cut off early
-		nc.Write(encodeRequest(nil, request{Type: cmdWrite, Length: MaxPayload + 1}))
+		nc.Write(wire.AppendRequest(nil, wire.Request{Type: wire.CmdWrite, Length: MaxPayload + 1}))
 		nc.Write(payload)
 	}
 }
@@ -269,16 +270,16 @@ func TestPanicBecomesEIO(t *testing.T) {
 	for _, structured := range []bool{false, true} {
 		c := dialRaw(t, sock)
 		c.connect("p", structured, false)
-		c.request(cmdRead, 0, 1, 64*kb, 512, nil)
+		c.request(wire.CmdRead, 0, 1, 64*kb, 512, nil)
 		r := c.any()
 		errno := r.errno
 		if !r.simple {
 			errno, _, _, _ = chunkErrno(r.ch)
 		}
-		if r.handle != 1 || errno != EIO {
+		if r.handle != 1 || errno != wire.EIO {
 			t.Fatalf("structured=%v: read over a panicking device: %+v", structured, r)
 		}
-		c.request(cmdRead, 0, 2, 0, 512, nil)
+		c.request(wire.CmdRead, 0, 2, 0, 512, nil)
 		if r := c.any(); r.handle != 2 || r.errno != 0 {
 			t.Fatalf("structured=%v: the connection did not survive: %+v", structured, r)
 		}
@@ -301,7 +302,7 @@ func TestClientThatStopsReadingIsClosed(t *testing.T) {
 		uc.SetReadBuffer(4096) // so the replies back up quickly
 	}
 	for h := range 64 {
-		c.request(cmdRead, 0, uint64(h), 0, 64*kb, nil)
+		c.request(wire.CmdRead, 0, uint64(h), 0, 64*kb, nil)
 	}
 	waitFor(t, "the stuck connection to be closed", func() bool {
 		st := f.srv.Stats()
@@ -317,7 +318,7 @@ func servesNext(t *testing.T, f *tfix) {
 	waitFor(t, "the memory to come back", func() bool { return f.srv.Stats().MemoryInUse == 0 })
 	d := dialRaw(t, f.sock)
 	d.connect("t", false, false)
-	d.request(cmdRead, 0, 1, 0, 512, nil)
+	d.request(wire.CmdRead, 0, 1, 0, 512, nil)
 	if h, errno, _ := d.simple(512); h != 1 || errno != 0 {
 		t.Fatalf("read on a new connection: handle %d errno %d", h, errno)
 	}
@@ -346,7 +347,7 @@ func TestLongWalksReachEveryExtent(t *testing.T) {
 	for _, tc := range []struct {
 		typ uint16
 		op  backing.Op
-	}{{cmdTrim, backing.OpDiscard}, {cmdWriteZeroes, backing.OpZero}} {
+	}{{wire.CmdTrim, backing.OpDiscard}, {wire.CmdWriteZeroes, backing.OpZero}} {
 		a.Reset()
 		b.Reset()
 		c.request(tc.typ, 0, 1, 0, segs*512, nil)
@@ -375,7 +376,7 @@ func TestLongWalksReachEveryExtent(t *testing.T) {
 			}
 		}
 	}
-	c.request(cmdCache, 0, 2, 0, segs*512, nil)
+	c.request(wire.CmdCache, 0, 2, 0, segs*512, nil)
 	if h, errno, _ := c.simple(0); h != 2 || errno != 0 {
 		t.Fatalf("cache: handle %d errno %d", h, errno)
 	}
@@ -443,7 +444,7 @@ func TestRemoveAfterDisconnect(t *testing.T) {
 		}
 		c := dialRaw(t, f.sock)
 		c.connect(x.Name, false, false)
-		c.request(cmdDisc, 0, 0, 0, 0, nil)
+		c.request(wire.CmdDisc, 0, 0, 0, 0, nil)
 		if !c.closed() {
 			t.Fatal("the server sent something after NBD_CMD_DISC")
 		}
@@ -469,7 +470,7 @@ func TestAddRemoveExport(t *testing.T) {
 	}
 	// A request in flight on "t" (held at the gate) is not affected by
 	// removing another export; one on "extra" finishes before it goes.
-	c.request(cmdWrite, 0, 1, 0, 512, bytes.Repeat([]byte{7}, 512))
+	c.request(wire.CmdWrite, 0, 1, 0, 512, bytes.Repeat([]byte{7}, 512))
 	if h, errno, _ := c.simple(0); h != 1 || errno != 0 {
 		t.Fatalf("write: handle %d errno %d", h, errno)
 	}

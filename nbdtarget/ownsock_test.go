@@ -20,6 +20,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // A socket out of the poller reads, writes, times out and closes as one in
@@ -461,7 +462,7 @@ func TestBulkPayloadInOneRecv(t *testing.T) {
 			write := func() {
 				t.Helper()
 				h++
-				c.request(cmdWrite, 0, h, 0, mb, payload)
+				c.request(wire.CmdWrite, 0, h, 0, mb, payload)
 				if got, errno, _ := c.simple(0); got != h || errno != 0 {
 					t.Fatalf("write %d: reply %d, errno %d", h, got, errno)
 				}
@@ -491,7 +492,7 @@ func TestBulkPayloadInOneRecv(t *testing.T) {
 			}
 			h++
 			half := mb / 2
-			c.write(append(encodeRequest(nil, request{Type: cmdWrite, Handle: h, Length: mb}), payload[:half]...))
+			c.write(append(wire.AppendRequest(nil, wire.Request{Type: wire.CmdWrite, Handle: h, Length: mb}), payload[:half]...))
 			fd := rs.own.fd
 			nbdtest.Until(t, "the reader to take the first half and wait", func() bool {
 				inq, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
@@ -517,7 +518,7 @@ func TestBulkPayloadInOneRecv(t *testing.T) {
 				t.Fatalf("the write sent in halves: reply %d, errno %d", got, errno)
 			}
 			h++
-			c.request(cmdRead, 0, h, 0, mb, nil)
+			c.request(wire.CmdRead, 0, h, 0, mb, nil)
 			if got, errno, data := c.simple(mb); got != h || errno != 0 || !bytes.Equal(data, payload) {
 				t.Fatalf("read back: reply %d, errno %d, same bytes %v", got, errno, bytes.Equal(data, payload))
 			}

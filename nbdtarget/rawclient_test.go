@@ -11,11 +11,12 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // rawClient speaks the wire protocol byte by byte, so tests can send what
 // no well-behaved client would. Its encoders are written from proto.md, not
-// from the server's helpers, except encodeRequest (checked by FuzzRequest's
+// from the server's helpers, except wire.AppendRequest (checked by FuzzRequest's
 // round trip).
 type rawClient struct {
 	t  testing.TB
@@ -174,7 +175,7 @@ func (c *rawClient) connect(name string, structured, meta bool) uint16 {
 
 func (c *rawClient) request(typ, flags uint16, handle, off uint64, length uint32, payload []byte) {
 	c.t.Helper()
-	b := encodeRequest(nil, request{Flags: flags, Type: typ, Handle: handle, Offset: off, Length: length})
+	b := wire.AppendRequest(nil, wire.Request{Flags: flags, Type: typ, Handle: handle, Offset: off, Length: length})
 	c.write(append(b, payload...))
 }
 

@@ -7,6 +7,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // The reserve is a quarter of the memory, less where the rest would not
@@ -60,7 +61,7 @@ func TestHungExportsLeaveEveryExportARequest(t *testing.T) {
 		c := dialRaw(t, sock)
 		c.connect(name, false, false)
 		for h := range reads {
-			c.request(cmdRead, 0, uint64(h+1), uint64(h)*piece, length, nil)
+			c.request(wire.CmdRead, 0, uint64(h+1), uint64(h)*piece, length, nil)
 		}
 		return c
 	}
@@ -83,7 +84,7 @@ func TestHungExportsLeaveEveryExportARequest(t *testing.T) {
 	d.connect("ok", false, false)
 	for h := range 3 {
 		off := uint64(h) * piece
-		d.request(cmdRead, 0, uint64(h+1), off, piece, nil)
+		d.request(wire.CmdRead, 0, uint64(h+1), off, piece, nil)
 		handle, errno, got := d.simple(piece)
 		if handle != uint64(h+1) || errno != 0 || !bytes.Equal(got, data[off:off+piece]) {
 			t.Fatalf("read %d of the export that answers: handle %d errno %d, right data %v", h, handle, errno, bytes.Equal(got, data[off:off+piece]))

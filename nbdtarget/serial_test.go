@@ -9,6 +9,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // syncGate blocks Sync while armed until released.
@@ -114,11 +115,11 @@ func (f *serialFix) lingers(t *testing.T, want bool) {
 // encode returns a write of 4 KiB or a flush, with the next handle.
 func (f *serialFix) encode(typ uint16) []byte {
 	f.h++
-	if typ == cmdWrite {
-		b := encodeRequest(nil, request{Type: cmdWrite, Handle: f.h, Length: 4096})
+	if typ == wire.CmdWrite {
+		b := wire.AppendRequest(nil, wire.Request{Type: wire.CmdWrite, Handle: f.h, Length: 4096})
 		return append(b, bytes.Repeat([]byte{byte(f.h)}, 4096)...)
 	}
-	return encodeRequest(nil, request{Type: typ, Handle: f.h})
+	return wire.AppendRequest(nil, wire.Request{Type: typ, Handle: f.h})
 }
 
 // send sends a request once the server's reader waits for it, as it does
@@ -151,9 +152,9 @@ func (f *serialFix) roundTrip(t *testing.T, typ uint16) {
 // third, and checks that want requests have run serially by then.
 func (f *serialFix) threeOneAtATime(t *testing.T, want int64) {
 	t.Helper()
-	f.roundTrip(t, cmdWrite)
-	f.roundTrip(t, cmdFlush)
-	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, wire.CmdWrite)
+	f.roundTrip(t, wire.CmdFlush)
+	f.roundTrip(t, wire.CmdWrite)
 	if n := f.serialRequests(); n != want {
 		t.Fatalf("%d serial requests after three more one at a time, want %d", n, want)
 	}
@@ -171,30 +172,30 @@ func (f *serialFix) threeOneAtATime(t *testing.T, want int64) {
 func TestSerialMode(t *testing.T) {
 	f := newSerialFix(t)
 	f.srv.serialHandOver.Store(int64(time.Hour))
-	f.roundTrip(t, cmdWrite)
-	f.roundTrip(t, cmdFlush)
+	f.roundTrip(t, wire.CmdWrite)
+	f.roundTrip(t, wire.CmdFlush)
 	if n := f.serialRequests(); n != 0 {
 		t.Fatalf("%d requests serial after two: want none before the third", n)
 	}
 	f.lingers(t, false)
 	for range 3 {
-		f.roundTrip(t, cmdWrite)
-		f.roundTrip(t, cmdFlush)
+		f.roundTrip(t, wire.CmdWrite)
+		f.roundTrip(t, wire.CmdFlush)
 	}
 	if n := f.serialRequests(); n != 6 {
 		t.Fatalf("%d of the 6 requests from the third on ran serially", n)
 	}
 	f.lingers(t, true)
 
-	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, wire.CmdWrite)
 	f.gate.armed.Store(true)
 	f.srv.serialHandOver.Store(int64(handOverAfter))
-	flush := f.send(cmdFlush)
+	flush := f.send(wire.CmdFlush)
 	nbdtest.Recv(t, f.gate.entered, "the flush to reach its device")
 	if n := f.serialRequests(); n != 8 {
 		t.Fatalf("the gated flush did not run serially (%d serial requests, want 8)", n)
 	}
-	f.roundTrip(t, cmdWrite) // answered while the flush is blocked
+	f.roundTrip(t, wire.CmdWrite) // answered while the flush is blocked
 	f.open()
 	f.answered(t, flush)
 	if n := f.serialRequests(); n != 8 {
@@ -226,10 +227,10 @@ func TestSerialModeLateRead(t *testing.T) {
 		// waits for the flush.
 		nbdtest.Until(t, "the server to wait for the flush", func() bool { return f.waits() > f.waited })
 		f.pause.Store(true)
-		f.answered(t, f.send(cmdFlush))
+		f.answered(t, f.send(wire.CmdFlush))
 		nbdtest.Recv(t, f.paused, "the server to stop after the flush's reply")
 		f.waited = f.waits()
-		f.c.write(f.encode(cmdWrite)) // in the socket before the reader looks
+		f.c.write(f.encode(wire.CmdWrite)) // in the socket before the reader looks
 		f.resume()
 		f.answered(t, f.h)
 		nbdtest.Until(t, "the server to wait for the next request", func() bool { return f.waits() > f.waited })
@@ -240,7 +241,7 @@ func TestSerialModeLateRead(t *testing.T) {
 			t.Fatalf("the write read late did not run serially (%d serial requests, want 3)", n)
 		}
 		f.lingers(t, true)
-		f.roundTrip(t, cmdFlush)
+		f.roundTrip(t, wire.CmdFlush)
 		if n := f.serialRequests(); n != 4 {
 			t.Fatalf("%d serial requests after one more flush, want 4", n)
 		}
@@ -248,9 +249,9 @@ func TestSerialModeLateRead(t *testing.T) {
 	t.Run("sent while the last ran", func(t *testing.T) {
 		f := serial(t)
 		f.gate.armed.Store(true)
-		flush := f.send(cmdFlush)
+		flush := f.send(wire.CmdFlush)
 		nbdtest.Recv(t, f.gate.entered, "the flush to reach its device")
-		f.c.write(f.encode(cmdWrite))
+		f.c.write(f.encode(wire.CmdWrite))
 		f.open()
 		f.answered(t, flush)
 		f.answered(t, f.h)
@@ -261,12 +262,12 @@ func TestSerialModeLateRead(t *testing.T) {
 	})
 	t.Run("sent with part of the next", func(t *testing.T) {
 		f := serial(t)
-		flush := f.encode(cmdFlush)
-		write := f.encode(cmdWrite)
+		flush := f.encode(wire.CmdFlush)
+		write := f.encode(wire.CmdWrite)
 		nbdtest.Until(t, "the server to wait for the flush", func() bool { return f.waits() > f.waited })
-		f.c.write(append(flush, write[:requestSize/2]...))
+		f.c.write(append(flush, write[:wire.RequestSize/2]...))
 		f.answered(t, f.h-1)
-		f.c.write(write[requestSize/2:])
+		f.c.write(write[wire.RequestSize/2:])
 		f.answered(t, f.h)
 		if n := f.serialRequests(); n != 1 {
 			t.Fatalf("a flush sent with half the next header, or that write, ran serially (%d serial requests, want 1)", n)
@@ -295,17 +296,17 @@ func TestSerialHandOverIsTheRequests(t *testing.T) {
 	nbdtest.Until(t, "the server to wait for the next request", func() bool { return f.waits() > f.waited })
 	f.srv.serialHandOver.Store(1)
 	f.pause.Store(true)
-	f.answered(t, f.send(cmdWrite))
+	f.answered(t, f.send(wire.CmdWrite))
 	nbdtest.Recv(t, f.paused, "the write's goroutine to stop after its reply")
 	nbdtest.Until(t, "the write to hand reading on", func() bool { return f.waits() > f.waited })
 	f.srv.serialHandOver.Store(int64(time.Hour))
 
 	// Three more one at a time: the third, a flush held in its device,
 	// runs serially on the goroutine the token went to.
-	f.roundTrip(t, cmdWrite)
-	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, wire.CmdWrite)
+	f.roundTrip(t, wire.CmdWrite)
 	f.gate.armed.Store(true)
-	flush := f.send(cmdFlush)
+	flush := f.send(wire.CmdFlush)
 	nbdtest.Recv(t, f.gate.entered, "the flush to reach its device")
 	if n := f.serialRequests(); n != 3 {
 		t.Fatalf("%d serial requests, want 3: the first write, the handed-over one, the flush", n)
@@ -325,8 +326,8 @@ func TestSerialHandOverIsTheRequests(t *testing.T) {
 	}
 	f.open()
 	f.answered(t, flush)
-	f.roundTrip(t, cmdWrite)
-	f.roundTrip(t, cmdFlush)
+	f.roundTrip(t, wire.CmdWrite)
+	f.roundTrip(t, wire.CmdFlush)
 }
 
 // Serial mode needs both: a client that waits for each reply, and flushes.
@@ -334,7 +335,7 @@ func TestSerialModeNeeds(t *testing.T) {
 	t.Run("no flushes", func(t *testing.T) {
 		f := newSerialFix(t)
 		for range 12 {
-			f.roundTrip(t, cmdWrite)
+			f.roundTrip(t, wire.CmdWrite)
 		}
 		if n := f.serialRequests(); n != 0 {
 			t.Fatalf("%d writes without flushes ran serially", n)
@@ -344,7 +345,7 @@ func TestSerialModeNeeds(t *testing.T) {
 	t.Run("pipelined", func(t *testing.T) {
 		f := newSerialFix(t)
 		for range 6 {
-			w, fl := f.encode(cmdWrite), f.encode(cmdFlush)
+			w, fl := f.encode(wire.CmdWrite), f.encode(wire.CmdFlush)
 			f.c.write(append(w, fl...))
 			got := map[uint64]bool{}
 			for range 2 {
@@ -378,35 +379,35 @@ func TestSerialModeLeavesPoller(t *testing.T) {
 			t.Fatalf("out of the poller %v, counted %d; want %v, %d", f.sock().outside(), n, out, active)
 		}
 	}
-	f.roundTrip(t, cmdWrite)
-	f.roundTrip(t, cmdFlush)
+	f.roundTrip(t, wire.CmdWrite)
+	f.roundTrip(t, wire.CmdFlush)
 	check(false, 1)
-	f.roundTrip(t, cmdWrite) // the third: serial
+	f.roundTrip(t, wire.CmdWrite) // the third: serial
 	// The socket moves at a request that finds no call in progress on it
 	// (rawSocket.leave's TryLock): the reply to the flush before, which ran
 	// outside serial mode, may still be leaving. In serial mode the reader
 	// replies itself, so the next request finds none.
 	extra := 0
 	for ; !f.sock().outside() && extra < 2; extra++ {
-		f.roundTrip(t, cmdFlush)
+		f.roundTrip(t, wire.CmdFlush)
 	}
 	check(true, 2)
-	f.roundTrip(t, cmdFlush)
+	f.roundTrip(t, wire.CmdFlush)
 	check(true, 2)
 
 	other := dialRaw(t, f.addr)
 	other.connect("t", false, false)
 	check(true, 3)
-	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, wire.CmdWrite)
 	check(false, 2)
 	if n := f.serialRequests(); n != 3+int64(extra) {
 		t.Fatalf("%d serial requests, want %d: the move back ends no serial mode", n, 3+extra)
 	}
-	f.roundTrip(t, cmdFlush)
+	f.roundTrip(t, wire.CmdFlush)
 	check(false, 2)
 
-	other.request(cmdDisc, 0, 0, 0, 0, nil)
+	other.request(wire.CmdDisc, 0, 0, 0, 0, nil)
 	nbdtest.Until(t, "the other connection to go", func() bool { return f.srv.transmitting.Load() == 1 })
-	f.roundTrip(t, cmdWrite)
+	f.roundTrip(t, wire.CmdWrite)
 	check(true, 2)
 }

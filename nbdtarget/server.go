@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"golang.org/x/sync/semaphore"
+
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // ErrServerClosed is returned by Serve after Shutdown.
@@ -584,28 +586,28 @@ type OpStats struct {
 
 // Ops are the op names used in Stats and Observe, indexed by NBD command;
 // "unknown" counts commands the protocol does not define.
-var Ops = [numCmds + 1]string{
-	cmdRead:        "read",
-	cmdWrite:       "write",
-	cmdDisc:        "disc",
-	cmdFlush:       "flush",
-	cmdTrim:        "trim",
-	cmdCache:       "cache",
-	cmdWriteZeroes: "write_zeroes",
-	cmdBlockStatus: "block_status",
-	numCmds:        "unknown",
+var Ops = [wire.NumCmds + 1]string{
+	wire.CmdRead:        "read",
+	wire.CmdWrite:       "write",
+	wire.CmdDisc:        "disc",
+	wire.CmdFlush:       "flush",
+	wire.CmdTrim:        "trim",
+	wire.CmdCache:       "cache",
+	wire.CmdWriteZeroes: "write_zeroes",
+	wire.CmdBlockStatus: "block_status",
+	wire.NumCmds:        "unknown",
 }
 
 func opIndex(cmd uint16) int {
-	if cmd < numCmds {
+	if cmd < wire.NumCmds {
 		return int(cmd)
 	}
-	return numCmds
+	return wire.NumCmds
 }
 
 // errnos are the values counted individually; anything else counts as EIO's
 // neighbour slot "other" (which cannot happen: errnoOf only returns these).
-var errnos = [...]uint32{EPERM, EIO, ENOMEM, EINVAL, ENOSPC, EOVERFLOW, ENOTSUP, ESHUTDOWN}
+var errnos = [...]uint32{wire.EPERM, wire.EIO, wire.ENOMEM, wire.EINVAL, wire.ENOSPC, wire.EOVERFLOW, wire.ENOTSUP, wire.ESHUTDOWN}
 
 func errnoIndex(e uint32) int {
 	for i, v := range errnos {
@@ -623,7 +625,7 @@ type opCounters struct {
 
 type exportStats struct {
 	conns, connsTotal, inFlight atomic.Int64
-	ops                         [numCmds + 1]opCounters
+	ops                         [wire.NumCmds + 1]opCounters
 	readChunks                  [2]atomic.Int64 // OFFSET_DATA, OFFSET_HOLE
 	readHoleBytes               atomic.Int64
 	splicedBytes                atomic.Int64
@@ -677,7 +679,7 @@ func (s *Server) Stats() Stats {
 					if os.Errors == nil {
 						os.Errors = make(map[uint32]int64)
 					}
-					e := EIO
+					e := wire.EIO
 					if k < len(errnos) {
 						e = errnos[k]
 					}

@@ -13,6 +13,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/table"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // Layout of the "sparse" export: a device with a hole map (data at 0K+4K
@@ -34,7 +35,7 @@ func newSparseFix(t *testing.T) (sock string, x *Export) {
 
 // readChunks sends one READ and collects its reply's chunks.
 func readChunks(c *rawClient, flags uint16, handle, off uint64, n uint32) []chunk {
-	c.request(cmdRead, flags, handle, off, n, nil)
+	c.request(wire.CmdRead, flags, handle, off, n, nil)
 	var chunks []chunk
 	for {
 		ch := c.chunk()
@@ -42,7 +43,7 @@ func readChunks(c *rawClient, flags uint16, handle, off uint64, n uint32) []chun
 			c.t.Fatalf("chunk for handle %d, want %d", ch.handle, handle)
 		}
 		chunks = append(chunks, ch)
-		if ch.flags&replyFlagDone != 0 {
+		if ch.flags&wire.ReplyFlagDone != 0 {
 			return chunks
 		}
 	}
@@ -55,20 +56,20 @@ func describe(t *testing.T, chunks []chunk) string {
 	for _, ch := range chunks {
 		s := ""
 		switch ch.typ {
-		case chunkOffsetData:
+		case wire.ChunkOffsetData:
 			s = fmt.Sprintf("DATA %d+%d", binary.BigEndian.Uint64(ch.payload), len(ch.payload)-8)
-		case chunkOffsetHole:
+		case wire.ChunkOffsetHole:
 			if len(ch.payload) != 12 {
 				t.Fatalf("hole chunk of %d bytes", len(ch.payload))
 			}
 			s = fmt.Sprintf("HOLE %d+%d", binary.BigEndian.Uint64(ch.payload), binary.BigEndian.Uint32(ch.payload[8:]))
-		case chunkErrorOffset:
+		case wire.ChunkErrorOffset:
 			errno, _, off, _ := chunkErrno(ch)
 			s = fmt.Sprintf("ERROR %d at %d", errno, off)
 		default:
 			s = fmt.Sprintf("type %d", ch.typ)
 		}
-		if ch.flags&replyFlagDone != 0 {
+		if ch.flags&wire.ReplyFlagDone != 0 {
 			s += "!"
 		}
 		parts = append(parts, s)
@@ -99,7 +100,7 @@ func TestSparseReadReplies(t *testing.T) {
 		{"one hole", 0, 4 * kb, 4 * kb, "HOLE 4096+4096!", 0},
 		{"less than a granule, all hole", 0, 5 * kb, 100, "HOLE 5120+100!", 0},
 		{"a hole shorter than MinHole is sent as data", 0, 10 * kb, 4 * kb, "DATA 10240+4096!", 4 * kb},
-		{"DF: one data chunk", cfDF, 0, 80 * kb, "DATA 0+81920!", 80 * kb},
+		{"DF: one data chunk", wire.CfDF, 0, 80 * kb, "DATA 0+81920!", 80 * kb},
 		{"holes, then the error target", 0, 60 * kb, 24 * kb, "ERROR 5 at 81920!", 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -112,12 +113,12 @@ func TestSparseReadReplies(t *testing.T) {
 			holes := 0
 			for _, ch := range chunks {
 				switch ch.typ {
-				case chunkOffsetData:
+				case wire.ChunkOffsetData:
 					off := binary.BigEndian.Uint64(ch.payload)
 					if !bytes.Equal(ch.payload[8:], want[off:off+uint64(len(ch.payload)-8)]) {
 						t.Fatalf("data at %d differs", off)
 					}
-				case chunkOffsetHole:
+				case wire.ChunkOffsetHole:
 					holes++
 				}
 			}
@@ -133,22 +134,22 @@ func TestSparseReadReplies(t *testing.T) {
 		chunks := readChunks(c, 0, 8, base, 2*MaxPayload+4*kb)
 		var sum uint64
 		for i, ch := range chunks {
-			if ch.typ != chunkOffsetHole && i != len(chunks)-1 {
+			if ch.typ != wire.ChunkOffsetHole && i != len(chunks)-1 {
 				t.Fatalf("chunk %d of %s", i, describe(t, chunks))
 			}
-			if ch.typ == chunkOffsetHole {
+			if ch.typ == wire.ChunkOffsetHole {
 				sum += uint64(binary.BigEndian.Uint32(ch.payload[8:]))
 			}
 		}
 		last := chunks[len(chunks)-1]
-		if sum != 2*MaxPayload || last.typ != chunkOffsetData || !bytes.Equal(last.payload[8:], pattern(4*kb, 3)) {
+		if sum != 2*MaxPayload || last.typ != wire.ChunkOffsetData || !bytes.Equal(last.payload[8:], pattern(4*kb, 3)) {
 			t.Fatalf("long read: holes cover %d bytes; reply %s", sum, describe(t, chunks))
 		}
 	})
 	t.Run("simple replies carry zeros", func(t *testing.T) {
 		s := dialRaw(t, sock)
 		s.connect("sparse", false, false)
-		s.request(cmdRead, 0, 9, 0, 80*kb, nil)
+		s.request(wire.CmdRead, 0, 9, 0, 80*kb, nil)
 		if h, errno, data := s.simple(80 * kb); h != 9 || errno != 0 || !bytes.Equal(data, want[:80*kb]) {
 			t.Fatalf("simple read: handle %d errno %d", h, errno)
 		}
@@ -234,7 +235,7 @@ print("OK")
 		if exec.Command("fio", "--enghelp=nbd").Run() != nil {
 			t.Skip("fio lacks the nbd engine")
 		}
-		before, reads := holeChunks(), x.st.ops[cmdRead].requests.Load()
+		before, reads := holeChunks(), x.st.ops[wire.CmdRead].requests.Load()
 		// Random reads of the sparse export, then random writes with
 		// verification (fio reads back what it wrote, over a region
 		// whose other blocks stay holes).
@@ -250,7 +251,7 @@ print("OK")
 		if err != nil {
 			t.Fatalf("fio verify: %v\n%s", err, out)
 		}
-		n := x.st.ops[cmdRead].requests.Load() - reads
+		n := x.st.ops[wire.CmdRead].requests.Load() - reads
 		holes := holeChunks() - before
 		if n < 2048 || holes < n/2 {
 			t.Fatalf("fio: %d reads, %d hole chunks", n, holes)

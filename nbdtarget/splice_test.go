@@ -14,6 +14,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // fileDev writes data to a new file of size bytes (a hole after data) and
@@ -87,7 +88,7 @@ func TestSplicedReads(t *testing.T) {
 
 	c := dialRaw(t, sock)
 	c.connect("f", false, false)
-	c.request(cmdRead, 0, 1, 4096, spliceMax, nil)
+	c.request(wire.CmdRead, 0, 1, 4096, spliceMax, nil)
 	if _, errno, got := c.simple(spliceMax); errno != 0 || !bytes.Equal(got, data[4096:4096+spliceMax]) {
 		t.Fatalf("simple reply: errno %d, or other bytes than the file's", errno)
 	}
@@ -102,14 +103,14 @@ func TestSplicedReads(t *testing.T) {
 	offs := make(map[uint64]uint64)
 	for h := range uint64(depth) {
 		offs[h] = h*(size/depth) + h*512
-		s.request(cmdRead, 0, h, offs[h], spliceMin+uint32(h)*4096, nil)
+		s.request(wire.CmdRead, 0, h, offs[h], spliceMin+uint32(h)*4096, nil)
 	}
 	want := int64(spliceMax)
 	for range depth {
 		ch := s.chunk()
 		off := offs[ch.handle]
 		n := spliceMin + int(ch.handle)*4096
-		if ch.typ != chunkOffsetData || ch.flags&replyFlagDone == 0 || !bytes.Equal(ch.payload[8:], data[off:off+uint64(n)]) {
+		if ch.typ != wire.ChunkOffsetData || ch.flags&wire.ReplyFlagDone == 0 || !bytes.Equal(ch.payload[8:], data[off:off+uint64(n)]) {
 			t.Fatalf("read %d+%d: chunk type %d flags %#x, or other bytes than the file's", off, n, ch.typ, ch.flags)
 		}
 		want += int64(n)
@@ -119,8 +120,8 @@ func TestSplicedReads(t *testing.T) {
 		t.Fatalf("%d bytes spliced, want %d", n, want)
 	}
 
-	s.request(cmdRead, 0, 99, 0, spliceMin-4096, nil)
-	if ch := s.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], data[:spliceMin-4096]) {
+	s.request(wire.CmdRead, 0, 99, 0, spliceMin-4096, nil)
+	if ch := s.chunk(); ch.typ != wire.ChunkOffsetData || !bytes.Equal(ch.payload[8:], data[:spliceMin-4096]) {
 		t.Fatalf("short read: chunk type %d, or other bytes", ch.typ)
 	}
 	if n := spliced(); n != want {
@@ -131,8 +132,8 @@ func TestSplicedReads(t *testing.T) {
 	if got := describe(t, readChunks(s, 0, 100, size, spliceMax)); got != fmt.Sprintf("DATA %d+%d HOLE %d+%d!", size, 64*kb, size+64*kb, spliceMax-64*kb) {
 		t.Fatalf("read over a hole: %s", got)
 	}
-	s.request(cmdRead, cfDF, 101, size, spliceMax, nil)
-	if ch := s.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], append(data[:64*kb:64*kb], make([]byte, spliceMax-64*kb)...)) {
+	s.request(wire.CmdRead, wire.CfDF, 101, size, spliceMax, nil)
+	if ch := s.chunk(); ch.typ != wire.ChunkOffsetData || !bytes.Equal(ch.payload[8:], append(data[:64*kb:64*kb], make([]byte, spliceMax-64*kb)...)) {
 		t.Fatalf("DF read over a hole: chunk type %d, or other bytes", ch.typ)
 	}
 	if n := spliced(); n != want {
@@ -158,8 +159,8 @@ func TestNoSplice(t *testing.T) {
 	srv := &Server{Exports: []*Export{newExport(t, "f", seg{len: 2 << 20, dev: fileDev(t, "f.img", data, 2<<20)})}, NoSplice: true}
 	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
 	c.connect("f", true, false)
-	c.request(cmdRead, 0, 1, 4096, spliceMax, nil)
-	if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], data[4096:4096+spliceMax]) {
+	c.request(wire.CmdRead, 0, 1, 4096, spliceMax, nil)
+	if ch := c.chunk(); ch.typ != wire.ChunkOffsetData || !bytes.Equal(ch.payload[8:], data[4096:4096+spliceMax]) {
 		t.Fatalf("read: chunk type %d, or other bytes", ch.typ)
 	}
 	if n := srv.Stats().Exports[0].ReadSplicedBytes; n != 0 {
@@ -195,14 +196,14 @@ func badSpliceFix(t *testing.T, bad func(*backing.File) backing.Device) (srv *Se
 func TestSplicedReadFailures(t *testing.T) {
 	srv, sock, c, good := badSpliceFix(t, func(f *backing.File) backing.Device { return brokenSplice{f} })
 	for i := range 3 {
-		c.request(cmdRead, 0, 1, 0, spliceMax, nil)
+		c.request(wire.CmdRead, 0, 1, 0, spliceMax, nil)
 		ch := c.chunk()
 		errno, _, off, err := chunkErrno(ch)
-		if err != nil || errno != EIO || off != 0 || ch.flags&replyFlagDone == 0 {
+		if err != nil || errno != wire.EIO || off != 0 || ch.flags&wire.ReplyFlagDone == 0 {
 			t.Fatalf("read %d of the failing file: chunk type %d errno %d at %d (%v), want EIO at 0", i, ch.typ, errno, off, err)
 		}
-		c.request(cmdRead, 0, 2, seg1, spliceMax, nil)
-		if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
+		c.request(wire.CmdRead, 0, 2, seg1, spliceMax, nil)
+		if ch := c.chunk(); ch.typ != wire.ChunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
 			t.Fatalf("read %d of the good file after a failed one: chunk type %d, or other bytes", i, ch.typ)
 		}
 	}
@@ -213,7 +214,7 @@ func TestSplicedReadFailures(t *testing.T) {
 	gone := dialRaw(t, sock)
 	gone.connect("f", true, false)
 	for h := range uint64(4) {
-		gone.request(cmdRead, 0, h, seg1, spliceMax, nil)
+		gone.request(wire.CmdRead, 0, h, seg1, spliceMax, nil)
 	}
 	gone.nc.Close()
 	deadline := time.Now().Add(nbdtest.Bound)
@@ -224,8 +225,8 @@ func TestSplicedReadFailures(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	pipesSettled(t, srv)
-	c.request(cmdRead, 0, 3, seg1, spliceMax, nil)
-	if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
+	c.request(wire.CmdRead, 0, 3, seg1, spliceMax, nil)
+	if ch := c.chunk(); ch.typ != wire.ChunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
 		t.Fatalf("read after a client left mid-reply: chunk type %d, or other bytes", ch.typ)
 	}
 }
@@ -242,8 +243,8 @@ func (p panicSplice) SpliceTo(pipe int, off int64, n int) (bool, error) {
 // protocol edge, and the pipe it left half full is closed, not pooled.
 func TestSplicePanic(t *testing.T) {
 	srv, _, c, good := badSpliceFix(t, func(f *backing.File) backing.Device { return panicSplice{f} })
-	c.request(cmdRead, 0, 1, 0, spliceMax, nil)
-	if errno, _, _, err := chunkErrno(c.chunk()); err != nil || errno != EIO {
+	c.request(wire.CmdRead, 0, 1, 0, spliceMax, nil)
+	if errno, _, _, err := chunkErrno(c.chunk()); err != nil || errno != wire.EIO {
 		t.Fatalf("read through a panicking splice: errno %d (%v), want EIO", errno, err)
 	}
 	if n := srv.Stats().Panics; n != 1 {
@@ -252,8 +253,8 @@ func TestSplicePanic(t *testing.T) {
 	if made := pipesSettled(t, srv); made != 0 {
 		t.Fatalf("%d pipes left after the panic, want the half-full one closed", made)
 	}
-	c.request(cmdRead, 0, 2, seg1, spliceMax, nil)
-	if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
+	c.request(wire.CmdRead, 0, 2, seg1, spliceMax, nil)
+	if ch := c.chunk(); ch.typ != wire.ChunkOffsetData || !bytes.Equal(ch.payload[8:], good[:spliceMax]) {
 		t.Fatalf("read after the panic: chunk type %d, or other bytes", ch.typ)
 	}
 }
@@ -315,7 +316,7 @@ func TestUnixSocketTakesWholeReply(t *testing.T) {
 	srv := &Server{Exports: []*Export{newExport(t, "f", seg{len: 2 << 20, dev: fileDev(t, "f.img", data, 2<<20)})}}
 	c := dialRaw(t, nbdtest.ServeUnix(t, srv, ErrServerClosed))
 	c.connect("f", false, false)
-	c.request(cmdRead, 0, 1, 0, spliceMax, nil)
+	c.request(wire.CmdRead, 0, 1, 0, spliceMax, nil)
 	nbdtest.Until(t, "the whole reply in the socket with nothing read", func() bool {
 		return srv.Stats().Exports[0].ReadSplicedBytes == spliceMax
 	})
@@ -346,11 +347,11 @@ func TestSplicedUnalignedReads(t *testing.T) {
 			for _, n := range lens {
 				h++
 				before := spliced()
-				c.request(cmdRead, 0, h, off, n, nil)
+				c.request(wire.CmdRead, 0, h, off, n, nil)
 				var got []byte
 				if structured {
 					ch := c.chunk()
-					if ch.typ != chunkOffsetData || ch.flags&replyFlagDone == 0 {
+					if ch.typ != wire.ChunkOffsetData || ch.flags&wire.ReplyFlagDone == 0 {
 						t.Fatalf("structured read %d+%d: chunk type %d flags %#x", off, n, ch.typ, ch.flags)
 					}
 					got = ch.payload[8:]
@@ -407,13 +408,13 @@ func (f failHead) ReadAt(p []byte, off int64) (int, error) { return 0, syscall.E
 // next read is spliced as before.
 func TestSplicedHeadFailure(t *testing.T) {
 	srv, _, c, good := badSpliceFix(t, func(f *backing.File) backing.Device { return failHead{f} })
-	c.request(cmdRead, 0, 1, 512, spliceMax, nil)
+	c.request(wire.CmdRead, 0, 1, 512, spliceMax, nil)
 	ch := c.chunk()
-	if errno, _, off, err := chunkErrno(ch); err != nil || errno != EIO || off != 512 {
+	if errno, _, off, err := chunkErrno(ch); err != nil || errno != wire.EIO || off != 512 {
 		t.Fatalf("read whose head fails: chunk type %d errno %d at %d (%v), want EIO at 512", ch.typ, errno, off, err)
 	}
-	c.request(cmdRead, 0, 2, seg1+512, spliceMax, nil)
-	if ch := c.chunk(); ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], good[512:512+spliceMax]) {
+	c.request(wire.CmdRead, 0, 2, seg1+512, spliceMax, nil)
+	if ch := c.chunk(); ch.typ != wire.ChunkOffsetData || !bytes.Equal(ch.payload[8:], good[512:512+spliceMax]) {
 		t.Fatalf("read of the good file after a failed head: chunk type %d, or other bytes", ch.typ)
 	}
 	if made := pipesSettled(t, srv); made != 1 {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // Layout of the "long" export: room for reads and writes longer than
@@ -54,7 +55,7 @@ func TestLongReadWrite(t *testing.T) {
 
 	c := dialRaw(t, sock)
 	c.connect("long", true, false)
-	c.request(cmdWrite, 0, 1, off, n, data)
+	c.request(wire.CmdWrite, 0, 1, off, n, data)
 	if r := c.any(); !r.simple || r.errno != 0 || r.handle != 1 {
 		t.Fatalf("long write: %+v", r)
 	}
@@ -68,25 +69,25 @@ func TestLongReadWrite(t *testing.T) {
 		c.t = t
 		c.nc.SetReadDeadline(time.Now().Add(60 * time.Second)) // a hang fails
 		defer c.nc.SetReadDeadline(time.Time{})
-		c.request(cmdRead, cfDF, 10, off, MaxPayload, nil)
-		if ch := c.chunk(); ch.handle != 10 || ch.typ != chunkOffsetData || !bytes.Equal(ch.payload[8:], data[:MaxPayload]) {
+		c.request(wire.CmdRead, wire.CfDF, 10, off, MaxPayload, nil)
+		if ch := c.chunk(); ch.handle != 10 || ch.typ != wire.ChunkOffsetData || !bytes.Equal(ch.payload[8:], data[:MaxPayload]) {
 			t.Fatalf("chunk handle %d type %d", ch.handle, ch.typ)
 		}
 	})
 	t.Run("structured: one OFFSET_DATA chunk per piece", func(t *testing.T) {
 		c.t = t
-		c.request(cmdRead, 0, 2, off, n, nil)
+		c.request(wire.CmdRead, 0, 2, off, n, nil)
 		var all []byte
 		for {
 			ch := c.chunk()
-			if ch.handle != 2 || ch.typ != chunkOffsetData {
+			if ch.handle != 2 || ch.typ != wire.ChunkOffsetData {
 				t.Fatalf("chunk handle %d type %d", ch.handle, ch.typ)
 			}
 			if o := binary.BigEndian.Uint64(ch.payload); o != uint64(off+len(all)) {
 				t.Fatalf("chunk at %d, want %d", o, off+len(all))
 			}
 			all = append(all, ch.payload[8:]...)
-			if ch.flags&replyFlagDone != 0 {
+			if ch.flags&wire.ReplyFlagDone != 0 {
 				break
 			}
 		}
@@ -100,10 +101,10 @@ func TestLongReadWrite(t *testing.T) {
 		// connection goes on: the subtests after this one use it.
 		c.t = t
 		for _, length := range []uint32{MaxPayload + 1, n, 0xffffffff} {
-			c.request(cmdRead, cfDF, 3, off, length, nil)
+			c.request(wire.CmdRead, wire.CfDF, 3, off, length, nil)
 			ch := c.chunk()
 			errno, _, _, err := chunkErrno(ch)
-			if err != nil || errno != EOVERFLOW || ch.handle != 3 || ch.flags != replyFlagDone {
+			if err != nil || errno != wire.EOVERFLOW || ch.handle != 3 || ch.flags != wire.ReplyFlagDone {
 				t.Fatalf("DF read of %d bytes: chunk type %#x handle %d flags %d errno %d (%v), want EOVERFLOW",
 					length, ch.typ, ch.handle, ch.flags, errno, err)
 			}
@@ -112,19 +113,19 @@ func TestLongReadWrite(t *testing.T) {
 	t.Run("structured: a failure after the first piece ends with ERROR_OFFSET", func(t *testing.T) {
 		c.t = t
 		start := uint64(goodLen - MaxPayload - 100)
-		c.request(cmdRead, 0, 4, start, MaxPayload+4096, nil)
+		c.request(wire.CmdRead, 0, 4, start, MaxPayload+4096, nil)
 		var sent int
 		for {
 			ch := c.chunk()
-			if ch.typ == chunkOffsetData {
+			if ch.typ == wire.ChunkOffsetData {
 				sent += len(ch.payload) - 8
 				continue
 			}
 			errno, msg, at, err := chunkErrno(ch)
-			if err != nil || errno != EIO || at != goodLen || ch.flags != replyFlagDone {
+			if err != nil || errno != wire.EIO || at != goodLen || ch.flags != wire.ReplyFlagDone {
 				t.Fatalf("final chunk: errno %d at %d flags %d (%v)", errno, at, ch.flags, err)
 			}
-			if msg != errMessage(EIO) {
+			if msg != errMessage(wire.EIO) {
 				t.Fatalf("error message %q", msg)
 			}
 			break
@@ -135,9 +136,9 @@ func TestLongReadWrite(t *testing.T) {
 	})
 	t.Run("a failure in the first piece is an ordinary error reply", func(t *testing.T) {
 		c.t = t
-		c.request(cmdRead, 0, 5, goodLen-100, MaxPayload+1, nil)
+		c.request(wire.CmdRead, 0, 5, goodLen-100, MaxPayload+1, nil)
 		errno, _, at, err := chunkErrno(c.chunk())
-		if err != nil || errno != EIO || at != goodLen {
+		if err != nil || errno != wire.EIO || at != goodLen {
 			t.Fatalf("errno %d at %d (%v)", errno, at, err)
 		}
 	})
@@ -145,11 +146,11 @@ func TestLongReadWrite(t *testing.T) {
 	t.Run("simple: a long read, then a failure after the header closes the connection", func(t *testing.T) {
 		s := dialRaw(t, sock)
 		s.connect("long", false, false)
-		s.request(cmdRead, 0, 6, off, n, nil)
+		s.request(wire.CmdRead, 0, 6, off, n, nil)
 		if h, errno, got := s.simple(n); h != 6 || errno != 0 || !bytes.Equal(got, data) {
 			t.Fatalf("simple long read: handle %d errno %d", h, errno)
 		}
-		s.request(cmdRead, 0, 7, goodLen-MaxPayload-100, MaxPayload+4096, nil)
+		s.request(wire.CmdRead, 0, 7, goodLen-MaxPayload-100, MaxPayload+4096, nil)
 		if h, errno, _ := s.simple(0); h != 7 || errno != 0 {
 			t.Fatalf("header: handle %d errno %d", h, errno)
 		}
@@ -174,11 +175,11 @@ func TestLongReadWrite(t *testing.T) {
 		// Pieces before the bad device are written; the stream stays in sync.
 		start := uint64(goodLen - MaxPayload - 1000)
 		p := pattern(MaxPayload+8192, 0x33)
-		s.request(cmdWrite, 0, 8, start, uint32(len(p)), p)
-		if h, errno, _ := s.simple(0); h != 8 || errno != EIO {
+		s.request(wire.CmdWrite, 0, 8, start, uint32(len(p)), p)
+		if h, errno, _ := s.simple(0); h != 8 || errno != wire.EIO {
 			t.Fatalf("write over a failing device: handle %d errno %d", h, errno)
 		}
-		s.request(cmdRead, 0, 9, 0, 512, nil)
+		s.request(wire.CmdRead, 0, 9, 0, 512, nil)
 		if h, errno, _ := s.simple(512); h != 9 || errno != 0 {
 			t.Fatalf("follow-up read: handle %d errno %d", h, errno)
 		}
@@ -195,17 +196,17 @@ func TestMemoryBudgetWaits(t *testing.T) {
 	f := newTFix(t, srv)
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
-	c.request(cmdRead, 0, 1, offGate, 4096, nil) // held at the gate
+	c.request(wire.CmdRead, 0, 1, offGate, 4096, nil) // held at the gate
 	<-f.gate.entered
 	d := dialRaw(t, f.sock)
 	d.connect("t", false, false)
-	d.request(cmdRead, 0, 2, 0, MaxPayload, nil) // needs the whole budget
+	d.request(wire.CmdRead, 0, 2, 0, MaxPayload, nil) // needs the whole budget
 	waitFor(t, "the second request to wait for memory", func() bool { return srv.Stats().MemoryWaits > 0 })
 	close(f.gate.release)
 	if h, errno, _ := c.simple(4096); h != 1 || errno != 0 {
 		t.Fatalf("gated read: handle %d errno %d", h, errno)
 	}
-	if h, errno, _ := d.simple(0); h != 2 || errno != EINVAL {
+	if h, errno, _ := d.simple(0); h != 2 || errno != wire.EINVAL {
 		// MaxPayload is past the end of "t": the point is that it got a
 		// reply once memory was free.
 		t.Fatalf("waiting request: handle %d errno %d", h, errno)
@@ -235,8 +236,8 @@ func TestLongReadStopsWhenClientGoes(t *testing.T) {
 	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
 	c := dialRaw(t, sock)
 	c.connect("big", true, false)
-	c.request(cmdRead, 0, 1, 0, 0xffffffff, nil)
-	if ch := c.chunk(); ch.typ != chunkOffsetData {
+	c.request(wire.CmdRead, 0, 1, 0, 0xffffffff, nil)
+	if ch := c.chunk(); ch.typ != wire.ChunkOffsetData {
 		t.Fatalf("first chunk type %d", ch.typ)
 	}
 	c.nc.Close()
@@ -258,7 +259,7 @@ func TestLongReadSlowDeviceIsNotStuckClient(t *testing.T) {
 	c := dialRaw(t, sock)
 	c.connect("slow", false, false)
 	const n = MaxPayload + 1
-	c.request(cmdRead, 0, 1, 0, n, nil)
+	c.request(wire.CmdRead, 0, 1, 0, n, nil)
 	done := make(chan error, 1)
 	go func() {
 		_, err := io.ReadFull(c.nc, make([]byte, 16+n))
@@ -285,7 +286,7 @@ func TestWithheldPayloadsLeaveMemory(t *testing.T) {
 	for i := range 8 {
 		s := dialRaw(t, f.sock)
 		s.connect("t", false, false)
-		s.request(cmdWrite, 0, uint64(i), 0, MaxPayload, nil) // and no payload
+		s.request(wire.CmdWrite, 0, uint64(i), 0, MaxPayload, nil) // and no payload
 	}
 	waitFor(t, "the withheld writes to be charged", func() bool {
 		return srv.Stats().MemoryInUse >= 8*(requestBase+payloadFirst)
@@ -296,13 +297,13 @@ func TestWithheldPayloadsLeaveMemory(t *testing.T) {
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
 	p := bytes.Repeat([]byte{0x42}, 4096)
-	c.request(cmdWrite, 0, 1, 0, 4096, p)
+	c.request(wire.CmdWrite, 0, 1, 0, 4096, p)
 	if h, errno, _ := c.simple(0); h != 1 || errno != 0 {
 		t.Fatalf("honest write: handle %d errno %d", h, errno)
 	}
 	// Sent once the write is answered: two requests in flight together may
 	// be answered in either order.
-	c.request(cmdRead, 0, 2, 0, 4096, nil)
+	c.request(wire.CmdRead, 0, 2, 0, 4096, nil)
 	if h, errno, got := c.simple(4096); h != 2 || errno != 0 || !bytes.Equal(got, p) {
 		t.Fatalf("honest read: handle %d errno %d", h, errno)
 	}
@@ -315,7 +316,7 @@ func TestPayloadTimeout(t *testing.T) {
 	f := newTFix(t, srv)
 	s := dialRaw(t, f.sock)
 	s.connect("t", false, false)
-	s.request(cmdWrite, 0, 1, 0, 8192, make([]byte, 100)) // 100 of 8192 bytes
+	s.request(wire.CmdWrite, 0, 1, 0, 8192, make([]byte, 100)) // 100 of 8192 bytes
 	if !s.closed() {
 		t.Fatal("the connection got a reply instead of being closed")
 	}
@@ -338,12 +339,12 @@ func TestLongWriteStreamsWhenMemoryIsShort(t *testing.T) {
 	sock := nbdtest.ServeUnix(t, srv, ErrServerClosed)
 	c := dialRaw(t, sock)
 	c.connect("m", false, false)
-	c.request(cmdRead, 0, 1, 0, held, nil) // holds all but 1.5 MiB of memory at the gate
+	c.request(wire.CmdRead, 0, 1, 0, held, nil) // holds all but 1.5 MiB of memory at the gate
 	<-gate.entered
 	w := dialRaw(t, sock)
 	w.connect("m", false, false)
 	p := pattern(2*payloadFirst+4096, 0x77)
-	w.request(cmdWrite, 0, 2, held, uint32(len(p)), p)
+	w.request(wire.CmdWrite, 0, 2, held, uint32(len(p)), p)
 	if h, errno, _ := w.simple(0); h != 2 || errno != 0 {
 		t.Fatalf("write: handle %d errno %d", h, errno)
 	}
@@ -367,11 +368,11 @@ func TestMemoryWaitEndsWhenStopped(t *testing.T) {
 	f := newTFix(t, srv)
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
-	c.request(cmdRead, 0, 1, offGate, 4096, nil) // held at the gate, with its memory
+	c.request(wire.CmdRead, 0, 1, offGate, 4096, nil) // held at the gate, with its memory
 	<-f.gate.entered
 	d := dialRaw(t, f.sock)
 	d.connect("ro", false, false)
-	d.request(cmdRead, 0, 2, 0, MaxPayload, nil) // needs the whole budget
+	d.request(wire.CmdRead, 0, 2, 0, MaxPayload, nil) // needs the whole budget
 	waitFor(t, "the request on ro to wait for memory", func() bool { return srv.Stats().MemoryWaits > 0 })
 	removed := make(chan error, 1)
 	go func() { _, err := srv.RemoveExport("ro", true); removed <- err }()
@@ -421,7 +422,7 @@ func TestHungExportLeavesMemoryForOthers(t *testing.T) {
 		c := dialRaw(t, sock)
 		c.connect("hung", false, false)
 		for h := range reads {
-			c.request(cmdRead, 0, uint64(h+1), uint64(h)*piece, piece, nil)
+			c.request(wire.CmdRead, 0, uint64(h+1), uint64(h)*piece, piece, nil)
 		}
 		clients = append(clients, c)
 	}
@@ -432,7 +433,7 @@ func TestHungExportLeavesMemoryForOthers(t *testing.T) {
 
 	d := dialRaw(t, sock)
 	d.connect("ok", false, false)
-	d.request(cmdRead, 0, 1, 0, piece, nil)
+	d.request(wire.CmdRead, 0, 1, 0, piece, nil)
 	if h, errno, _ := d.simple(piece); h != 1 || errno != 0 {
 		t.Fatalf("read on the other export: handle %d errno %d", h, errno)
 	}

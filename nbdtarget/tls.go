@@ -24,6 +24,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // TLSMode says what the server asks of clients when Server.TLSConfig is set.
@@ -283,13 +285,13 @@ func (c *conn) access(x *Export) access {
 func (c *conn) export(name string) (x *Export, rep uint32, msg string) {
 	x = c.srv.lookup(name)
 	if x == nil {
-		return nil, repErrUnknown, "no export named " + name
+		return nil, wire.RepErrUnknown, "no export named " + name
 	}
 	switch c.access(x) {
 	case accessTLSReqd:
-		return nil, repErrTLSReqd, "export " + name + " needs TLS"
+		return nil, wire.RepErrTLSReqd, "export " + name + " needs TLS"
 	case accessNone:
-		return nil, repErrPolicy, "client certificate not allowed for export " + name
+		return nil, wire.RepErrPolicy, "client certificate not allowed for export " + name
 	}
 	return x, 0, ""
 }
@@ -306,12 +308,12 @@ func (c *conn) tlsGate(id uint32) (ok bool, err error) {
 		return true, nil
 	}
 	switch id {
-	case optStartTLS, optAbort:
+	case wire.OptStartTLS, wire.OptAbort:
 		return true, nil
-	case optExportName:
+	case wire.OptExportName:
 		return false, errTLSRequired
 	}
-	return false, c.optReply(id, repErrTLSReqd, []byte("TLS required: send STARTTLS first"))
+	return false, c.optReply(id, wire.RepErrTLSReqd, []byte("TLS required: send STARTTLS first"))
 }
 
 // startTLS handles NBD_OPT_STARTTLS: ACK, then a TLS handshake on the same
@@ -319,17 +321,17 @@ func (c *conn) tlsGate(id uint32) (ok bool, err error) {
 func (c *conn) startTLS(data []byte) error {
 	switch {
 	case c.srv.TLSConfig == nil || c.srv.TLS == TLSOff:
-		return c.optReply(optStartTLS, repErrUnsup, []byte("TLS not configured"))
+		return c.optReply(wire.OptStartTLS, wire.RepErrUnsup, []byte("TLS not configured"))
 	case c.tls != nil:
-		return c.optReply(optStartTLS, repErrInvalid, []byte("TLS already negotiated"))
+		return c.optReply(wire.OptStartTLS, wire.RepErrInvalid, []byte("TLS already negotiated"))
 	case len(data) != 0:
-		return c.optReply(optStartTLS, repErrInvalid, []byte("STARTTLS takes no data"))
+		return c.optReply(wire.OptStartTLS, wire.RepErrInvalid, []byte("STARTTLS takes no data"))
 	case c.br.Buffered() != 0:
 		// Bytes sent before our ACK would be read as if they had come
 		// through TLS: plaintext injection (CVE-2021-3716 in nbdkit).
 		return errStartTLSPipelined
 	}
-	if err := c.optReply(optStartTLS, repAck, nil); err != nil {
+	if err := c.optReply(wire.OptStartTLS, wire.RepAck, nil); err != nil {
 		return err
 	}
 	c.sealed = bufio.NewReaderSize(c.sock, 64<<10)

@@ -23,6 +23,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/table"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 const repPOLICY, repTLSREQD = 1<<31 + 2, 1<<31 + 5
@@ -603,8 +604,8 @@ func FuzzHandshakeTLS(f *testing.F) {
 	f.Add(byte(1), clientStream(false))
 	f.Add(byte(2), clientStream(true, seedRequests...))
 	starttls := binary.BigEndian.AppendUint32(nil, 3)
-	starttls = binary.BigEndian.AppendUint64(starttls, magicOpt)
-	starttls = binary.BigEndian.AppendUint32(starttls, optStartTLS)
+	starttls = binary.BigEndian.AppendUint64(starttls, wire.MagicOpt)
+	starttls = binary.BigEndian.AppendUint32(starttls, wire.OptStartTLS)
 	starttls = binary.BigEndian.AppendUint32(starttls, 0)
 	f.Add(byte(2), starttls)
 	f.Add(byte(1), append(starttls, 0x16, 3, 1, 0, 4))
@@ -743,11 +744,11 @@ func TestTLSOutOfPoller(t *testing.T) {
 		if h > 1000 {
 			t.Fatalf("not out of the poller after %d requests one at a time", h)
 		}
-		for _, typ := range []uint16{cmdWrite, cmdFlush} {
+		for _, typ := range []uint16{wire.CmdWrite, wire.CmdFlush} {
 			h++
 			var payload []byte
 			n := uint32(0)
-			if typ == cmdWrite {
+			if typ == wire.CmdWrite {
 				payload, n = data, uint32(len(data))
 			}
 			c.request(typ, 0, h, 0, n, payload)
@@ -757,7 +758,7 @@ func TestTLSOutOfPoller(t *testing.T) {
 		}
 	}
 	h++
-	c.request(cmdRead, 0, h, 0, uint32(len(data)), nil)
+	c.request(wire.CmdRead, 0, h, 0, uint32(len(data)), nil)
 	if got, e, d := c.simple(len(data)); got != h || e != 0 || !bytes.Equal(d, data) {
 		t.Fatalf("read out of the poller: handle %d errno %d, data as written %v", got, e, bytes.Equal(d, data))
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // conn is one client connection. Its transmission phase runs on a
@@ -79,18 +80,18 @@ type conn struct {
 	xmem *exportBudget
 	st   *exportStats
 
-	rmu        sync.Mutex        // the read token: held while decoding a request
-	readDone   bool              // the stream has ended (DISC, EOF, broken, Shutdown); under rmu
-	workers    int               // goroutines in the pool; under rmu
-	waiting    atomic.Int32      // goroutines waiting for the read token
-	running    atomic.Int32      // requests read and not yet answered (account)
-	serialN    int               // requests in a row fit for serial mode; under rmu
-	sinceFlush int               // requests read since the last flush; under rmu
-	hdr        [requestSize]byte // the request header being read (a local would escape); under rmu
-	bulkN      int               // the bulk score (see bulk); under rmu
-	bulky      bool              // writing in bulk: counted twice in Server.OnActive (twice); under rmu
-	outside    bool              // the socket is out of the poller: counted twice too; under rmu
-	replyFirst atomic.Bool       // nothing of the next request had come when the last serial reply left
+	rmu        sync.Mutex             // the read token: held while decoding a request
+	readDone   bool                   // the stream has ended (DISC, EOF, broken, Shutdown); under rmu
+	workers    int                    // goroutines in the pool; under rmu
+	waiting    atomic.Int32           // goroutines waiting for the read token
+	running    atomic.Int32           // requests read and not yet answered (account)
+	serialN    int                    // requests in a row fit for serial mode; under rmu
+	sinceFlush int                    // requests read since the last flush; under rmu
+	hdr        [wire.RequestSize]byte // the request header being read (a local would escape); under rmu
+	bulkN      int                    // the bulk score (see bulk); under rmu
+	bulky      bool                   // writing in bulk: counted twice in Server.OnActive (twice); under rmu
+	outside    bool                   // the socket is out of the poller: counted twice too; under rmu
+	replyFirst atomic.Bool            // nothing of the next request had come when the last serial reply left
 	pool       sync.WaitGroup
 	mem        *semaphore.Weighted // MaxInFlightBytes
 
@@ -336,7 +337,7 @@ func (c *conn) socketWaits() uint64 {
 // reader to cost more than lingering does (fio's 4k reads at queue depth 1
 // lost 16-20% in serial mode; docs/architecture.md). The caller holds the
 // token.
-func (c *conn) serial(alone bool, waits uint64, r *request) bool {
+func (c *conn) serial(alone bool, waits uint64, r *wire.Request) bool {
 	rs, ok := c.sock.(*rawSocket)
 	if !ok {
 		return false // no socket to linger on (net.Pipe)
@@ -347,7 +348,7 @@ func (c *conn) serial(alone bool, waits uint64, r *request) bool {
 	} else {
 		c.serialN = 0
 	}
-	if r.Type == cmdFlush {
+	if r.Type == wire.CmdFlush {
 		c.sinceFlush = 0
 	} else if c.sinceFlush < flushWindow {
 		c.sinceFlush++
@@ -416,11 +417,11 @@ const (
 // gained nothing either: plain ones are spliced, with no copy in the
 // server, and over TLS they measured 0.98x (docs/benchmarks.md). The
 // caller holds the token.
-func (c *conn) bulk(r *request) {
+func (c *conn) bulk(r *wire.Request) {
 	switch {
-	case r.Type == cmdWrite && r.Length >= bulkMin:
+	case r.Type == wire.CmdWrite && r.Length >= bulkMin:
 		c.bulkN = min(c.bulkN+1, bulkScore)
-	case r.Type == cmdWrite || r.Type == cmdRead:
+	case r.Type == wire.CmdWrite || r.Type == wire.CmdRead:
 		c.bulkN = max(c.bulkN-1, 0)
 	}
 	was := c.twice()
@@ -452,20 +453,20 @@ func (c *conn) recount(was bool) {
 // read decodes one request and its payload; nil means the stream ended.
 func (c *conn) read() *job {
 	hdr := c.hdr[:]
-	c.mayBlock(requestSize)
+	c.mayBlock(wire.RequestSize)
 	if _, err := io.ReadFull(c.br, hdr); err != nil {
 		if !c.quiet(err) && !errors.Is(err, io.ErrUnexpectedEOF) {
 			c.log.Warn("nbd read request", "err", err)
 		}
 		return nil
 	}
-	r, ok := decodeRequest(hdr)
+	r, ok := wire.DecodeRequest(hdr)
 	if !ok {
 		// Nothing after a bad magic can be trusted to be a header.
 		c.log.Warn("nbd request with bad magic: closing connection")
 		return nil
 	}
-	if r.Type == cmdDisc {
+	if r.Type == wire.CmdDisc {
 		return nil
 	}
 	j := getJob()
@@ -477,7 +478,7 @@ func (c *conn) read() *job {
 		}
 		return nil
 	}
-	queued := c.br.Buffered() >= requestSize && c.holdPays(&j.req)
+	queued := c.br.Buffered() >= wire.RequestSize && c.holdPays(&j.req)
 	c.queued.Store(queued)
 	if !queued {
 		c.yieldReplies()
@@ -507,12 +508,12 @@ const (
 // client keeps at least holdWindow requests in flight, or the connections
 // outnumber the Ps (Server.crowded), where the CPU a write saves goes to
 // another connection's requests. The caller holds the token.
-func (c *conn) holdPays(r *request) bool {
-	wire := requestSize
-	if r.Type == cmdWrite {
-		wire += int(r.Length)
+func (c *conn) holdPays(r *wire.Request) bool {
+	onWire := wire.RequestSize
+	if r.Type == wire.CmdWrite {
+		onWire += int(r.Length)
 	}
-	ahead := max(1, c.br.Buffered()/wire) // as long as r, if more follow
+	ahead := max(1, c.br.Buffered()/onWire) // as long as r, if more follow
 	c.window.note(int(c.running.Load()) + 1 + ahead)
 	return c.window.depth() >= holdWindow || c.srv.crowded.Load()
 }
@@ -578,16 +579,16 @@ const (
 // cost is the memory request r may hold while it runs: its payload or read
 // buffer (one streamPiece for longer ones) or its working set. It never
 // depends on what the client asks for beyond MaxPayload.
-func cost(r *request) int64 {
+func cost(r *wire.Request) int64 {
 	switch r.Type {
-	case cmdRead, cmdWrite:
+	case wire.CmdRead, wire.CmdWrite:
 		if r.Length > MaxPayload {
 			return requestBase + streamPiece
 		}
 		return requestBase + int64(r.Length)
-	case cmdTrim, cmdWriteZeroes, cmdCache:
+	case wire.CmdTrim, wire.CmdWriteZeroes, wire.CmdCache:
 		return requestBase + walkCost
-	case cmdBlockStatus:
+	case wire.CmdBlockStatus:
 		return requestBase + blockStatusCost
 	}
 	return requestBase
@@ -693,11 +694,11 @@ const payloadFirst = 1 << 20
 // connection holding part of what the others wait for.
 func (c *conn) readPayload(j *job) error {
 	r := &j.req
-	if r.Type != cmdWrite || r.Length <= payloadFirst {
+	if r.Type != wire.CmdWrite || r.Length <= payloadFirst {
 		if err := c.charge(j, cost(r)); err != nil {
 			return err
 		}
-		if r.Type != cmdWrite || r.Length == 0 {
+		if r.Type != wire.CmdWrite || r.Length == 0 {
 			return nil
 		}
 		j.setBuf(int(r.Length))
@@ -786,7 +787,7 @@ func (c *conn) writeStream(j *job, have int) error {
 			return err
 		}
 		if j.errno == 0 {
-			c.protect(j, func() error { return c.x.Dev.Write(p, off, r.Flags&cfFUA != 0) })
+			c.protect(j, func() error { return c.x.Dev.Write(p, off, r.Flags&wire.CfFUA != 0) })
 		}
 		off += int64(len(p))
 		left -= int64(len(p))
@@ -808,7 +809,7 @@ func (c *conn) handle(j *job, serial bool) {
 		// costs it at most being read once this reply has left.)
 		c.replyFirst.Store(c.sock.(*rawSocket).drained())
 	}
-	if j.errno == 0 && j.req.Type == cmdRead && j.req.Length > MaxPayload {
+	if j.errno == 0 && j.req.Type == wire.CmdRead && j.req.Length > MaxPayload {
 		c.readStream(j)
 		c.account(j)
 	} else {
@@ -851,7 +852,7 @@ func (c *conn) run(j *job) {
 	if j.errno, j.msg = c.check(r); j.errno != 0 {
 		return
 	}
-	if r.Type == cmdRead && r.Length > MaxPayload {
+	if r.Type == wire.CmdRead && r.Length > MaxPayload {
 		return // read piece by piece as the reply goes out (readStream)
 	}
 	c.protect(j, func() error { return c.exec(j) })
@@ -865,7 +866,7 @@ func (c *conn) protect(j *job, fn func() error) {
 	defer func() {
 		if p := recover(); p != nil {
 			c.srv.Panicked(p, debug.Stack())
-			j.errno, j.msg, j.hasErrOff = EIO, errMessage(EIO), false
+			j.errno, j.msg, j.hasErrOff = wire.EIO, errMessage(wire.EIO), false
 		}
 	}()
 	if err := fn(); err != nil && j.errno == 0 {
@@ -880,9 +881,9 @@ func (c *conn) protect(j *job, fn func() error) {
 func (c *conn) exec(j *job) error {
 	x, r := c.x, &j.req
 	off, n := int64(r.Offset), int64(r.Length)
-	fua := r.Flags&cfFUA != 0
+	fua := r.Flags&wire.CfFUA != 0
 	switch r.Type {
-	case cmdRead:
+	case wire.CmdRead:
 		if n == 0 {
 			return nil
 		}
@@ -899,31 +900,31 @@ func (c *conn) exec(j *job) error {
 		}
 		j.hasErrOff = err != nil
 		return err
-	case cmdWrite:
+	case wire.CmdWrite:
 		if n == 0 {
 			return nil
 		}
 		return x.Dev.Write(j.buf, off, fua)
-	case cmdFlush:
+	case wire.CmdFlush:
 		return x.Dev.Flush()
-	case cmdTrim:
+	case wire.CmdTrim:
 		if n == 0 {
 			return nil
 		}
 		return x.Dev.Trim(off, n, fua)
-	case cmdWriteZeroes:
+	case wire.CmdWriteZeroes:
 		if n == 0 {
 			return nil
 		}
-		return x.Dev.WriteZeroes(off, n, r.Flags&cfNoHole == 0, r.Flags&cfFastZero != 0, fua)
-	case cmdCache:
+		return x.Dev.WriteZeroes(off, n, r.Flags&wire.CfNoHole == 0, r.Flags&wire.CfFastZero != 0, fua)
+	case wire.CmdCache:
 		if n == 0 {
 			return nil
 		}
 		return x.Dev.Cache(off, n)
-	case cmdBlockStatus:
+	case wire.CmdBlockStatus:
 		limit := maxExtents
-		if r.Flags&cfReqOne != 0 {
+		if r.Flags&wire.CfReqOne != 0 {
 			limit = 1
 		}
 		var err error
@@ -938,21 +939,21 @@ func (c *conn) exec(j *job) error {
 // the full error.
 func errMessage(errno uint32) string {
 	switch errno {
-	case EPERM:
+	case wire.EPERM:
 		return "operation not permitted"
-	case EIO:
+	case wire.EIO:
 		return "input/output error"
-	case ENOMEM:
+	case wire.ENOMEM:
 		return "out of memory"
-	case EINVAL:
+	case wire.EINVAL:
 		return "invalid argument"
-	case ENOSPC:
+	case wire.ENOSPC:
 		return "no space left on device"
-	case EOVERFLOW:
+	case wire.EOVERFLOW:
 		return "value too large"
-	case ENOTSUP:
+	case wire.ENOTSUP:
 		return "operation not supported"
-	case ESHUTDOWN:
+	case wire.ESHUTDOWN:
 		return "server shutting down"
 	}
 	return "error"
@@ -961,55 +962,55 @@ func errMessage(errno uint32) string {
 // check validates a request at the protocol edge, so that Export methods
 // only ever see in-range requests with meaningful flags. It returns the
 // spec's errno and a message for the client, or 0.
-func (c *conn) check(r *request) (uint32, string) {
-	if r.Type >= numCmds || r.Type == cmdDisc {
-		return EINVAL, "unknown command"
+func (c *conn) check(r *wire.Request) (uint32, string) {
+	if r.Type >= wire.NumCmds || r.Type == wire.CmdDisc {
+		return wire.EINVAL, "unknown command"
 	}
-	writes := r.Type == cmdWrite || r.Type == cmdTrim || r.Type == cmdWriteZeroes
+	writes := r.Type == wire.CmdWrite || r.Type == wire.CmdTrim || r.Type == wire.CmdWriteZeroes
 	if writes && c.ro {
-		return EPERM, "export is read-only"
+		return wire.EPERM, "export is read-only"
 	}
-	allowed := cfFUA
+	allowed := wire.CfFUA
 	switch r.Type {
-	case cmdRead:
+	case wire.CmdRead:
 		if c.structured {
-			allowed |= cfDF // answered with one OFFSET_DATA chunk, holes as zeros (sparse)
+			allowed |= wire.CfDF // answered with one OFFSET_DATA chunk, holes as zeros (sparse)
 		}
-	case cmdWriteZeroes:
-		allowed |= cfNoHole | cfFastZero
-	case cmdBlockStatus:
-		allowed |= cfReqOne
+	case wire.CmdWriteZeroes:
+		allowed |= wire.CfNoHole | wire.CfFastZero
+	case wire.CmdBlockStatus:
+		allowed |= wire.CfReqOne
 	}
 	if r.Flags&^allowed != 0 {
-		return EINVAL, "command flag not valid for this command"
+		return wire.EINVAL, "command flag not valid for this command"
 	}
 	switch r.Type {
-	case cmdRead:
-		if r.Flags&cfDF != 0 && r.Length > MaxPayload {
+	case wire.CmdRead:
+		if r.Flags&wire.CfDF != 0 && r.Length > MaxPayload {
 			// One chunk that long could not be answered with an error
 			// once a later piece failed, and past 4 GiB its length would
 			// not fit the chunk header: the spec's answer is EOVERFLOW.
-			return EOVERFLOW, "read too long for one chunk"
+			return wire.EOVERFLOW, "read too long for one chunk"
 		}
-	case cmdFlush:
+	case wire.CmdFlush:
 		if r.Offset != 0 || r.Length != 0 {
-			return EINVAL, "flush offset and length must be zero"
+			return wire.EINVAL, "flush offset and length must be zero"
 		}
 		return 0, ""
-	case cmdBlockStatus:
+	case wire.CmdBlockStatus:
 		if !c.meta {
-			return EINVAL, "no metadata context negotiated"
+			return wire.EINVAL, "no metadata context negotiated"
 		}
 		if r.Length == 0 {
-			return EINVAL, "zero-length block status"
+			return wire.EINVAL, "zero-length block status"
 		}
 	}
 	size := uint64(c.x.Size())
 	if r.Offset > size || uint64(r.Length) > size-r.Offset {
-		if r.Type == cmdWrite || r.Type == cmdWriteZeroes {
-			return ENOSPC, "write beyond the end of the export"
+		if r.Type == wire.CmdWrite || r.Type == wire.CmdWriteZeroes {
+			return wire.ENOSPC, "write beyond the end of the export"
 		}
-		return EINVAL, "request beyond the end of the export"
+		return wire.EINVAL, "request beyond the end of the export"
 	}
 	return 0, ""
 }
@@ -1021,39 +1022,39 @@ func (c *conn) check(r *request) (uint32, string) {
 // that: ENOSPC for writes, EINVAL for the rest. A device failed by an
 // earlier sync is EIO, whatever that sync's errno. Error targets
 // (table.ErrTarget), short reads and I/O errors are EIO.
-func errnoOf(err error, r *request) uint32 {
+func errnoOf(err error, r *wire.Request) uint32 {
 	switch {
 	case err == nil:
 		return 0
 	case errors.Is(err, flush.ErrSyncFailed):
 		// An earlier sync of a device below failed: whatever its errno
 		// was then, this request fails because of it, which is EIO.
-		return EIO
+		return wire.EIO
 	case errors.Is(err, mapped.ErrBeyondEnd):
-		if r.Type == cmdWrite || r.Type == cmdWriteZeroes {
-			return ENOSPC
+		if r.Type == wire.CmdWrite || r.Type == wire.CmdWriteZeroes {
+			return wire.ENOSPC
 		}
-		return EINVAL
+		return wire.EINVAL
 	case errors.Is(err, backing.ErrNotSupported) || errors.Is(err, syscall.EOPNOTSUPP):
-		if r.Type == cmdWriteZeroes && r.Flags&cfFastZero != 0 {
-			return ENOTSUP
+		if r.Type == wire.CmdWriteZeroes && r.Flags&wire.CfFastZero != 0 {
+			return wire.ENOTSUP
 		}
-		return EIO
+		return wire.EIO
 	case errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) || errors.Is(err, syscall.EFBIG):
-		return ENOSPC
+		return wire.ENOSPC
 	case errors.Is(err, syscall.EPERM) || errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EACCES):
-		return EPERM
+		return wire.EPERM
 	case errors.Is(err, syscall.ENOMEM):
-		return ENOMEM
+		return wire.ENOMEM
 	}
-	return EIO
+	return wire.EIO
 }
 
 // sparse says whether read r is answered with hole chunks for its holes:
 // only with structured replies and without DF, which asks for one data
 // chunk. Other reads get the holes' zeros as data.
-func (c *conn) sparse(r *request) bool {
-	return c.structured && r.Flags&cfDF == 0
+func (c *conn) sparse(r *wire.Request) bool {
+	return c.structured && r.Flags&wire.CfDF == 0
 }
 
 // reply sends j's reply: a simple reply, or, once structured replies are
@@ -1067,33 +1068,33 @@ func (c *conn) reply(j *job) {
 	case j.errno != 0 && c.structured:
 		b = appendErrorChunk(b, r.Handle, j.errno, j.msg, j.hasErrOff, uint64(j.errOff))
 	case j.errno != 0:
-		b = appendSimpleReply(b, r.Handle, j.errno)
-	case r.Type == cmdRead && c.structured && r.Length == 0:
-		b = appendChunkHeader(b, r.Handle, replyFlagDone, chunkNone, 0)
-	case r.Type == cmdRead && j.pipe != nil:
+		b = wire.AppendSimpleReply(b, r.Handle, j.errno)
+	case r.Type == wire.CmdRead && c.structured && r.Length == 0:
+		b = wire.AppendChunkHeader(b, r.Handle, wire.ReplyFlagDone, wire.ChunkNone, 0)
+	case r.Type == wire.CmdRead && j.pipe != nil:
 		if c.structured {
-			b = appendDataChunkHeader(b, r.Handle, replyFlagDone, r.Offset, r.Length)
+			b = appendDataChunkHeader(b, r.Handle, wire.ReplyFlagDone, r.Offset, r.Length)
 			c.st.readChunks[0].Add(1)
 		} else {
-			b = appendSimpleReply(b, r.Handle, 0)
+			b = wire.AppendSimpleReply(b, r.Handle, 0)
 		}
 		j.out = b
 		c.sendSpliced(j, b)
 		return
-	case r.Type == cmdRead && c.structured && len(j.holes) > 0:
+	case r.Type == wire.CmdRead && c.structured && len(j.holes) > 0:
 		c.sendRead(j, int64(r.Offset), j.buf, true)
 		return
-	case r.Type == cmdRead && c.structured:
-		b = appendDataChunkHeader(b, r.Handle, replyFlagDone, r.Offset, r.Length)
+	case r.Type == wire.CmdRead && c.structured:
+		b = appendDataChunkHeader(b, r.Handle, wire.ReplyFlagDone, r.Offset, r.Length)
 		data = j.buf
 		c.st.readChunks[0].Add(1)
-	case r.Type == cmdRead:
-		b = appendSimpleReply(b, r.Handle, 0)
+	case r.Type == wire.CmdRead:
+		b = wire.AppendSimpleReply(b, r.Handle, 0)
 		data = j.buf
-	case r.Type == cmdBlockStatus:
+	case r.Type == wire.CmdBlockStatus:
 		b = appendBlockStatusChunk(b, r.Handle, metaBaseID, j.bs)
 	default:
-		b = appendSimpleReply(b, r.Handle, 0)
+		b = wire.AppendSimpleReply(b, r.Handle, 0)
 	}
 	j.out = b
 	c.send(b, data)
@@ -1119,7 +1120,7 @@ func (c *conn) sendRead(j *job, off int64, p []byte, done bool) {
 	end := off + int64(len(p))
 	flag := func(last int64) uint16 {
 		if done && last == end {
-			return replyFlagDone
+			return wire.ReplyFlagDone
 		}
 		return 0
 	}
@@ -1200,7 +1201,7 @@ func (c *conn) readStream(j *job) {
 			}
 		}
 	}
-	j.out = appendSimpleReply(j.out[:0], r.Handle, 0)
+	j.out = wire.AppendSimpleReply(j.out[:0], r.Handle, 0)
 	c.lockSend()
 	defer c.unlockSend()
 	if c.werr == nil {
@@ -1325,7 +1326,7 @@ func (c *conn) unlockSend() {
 // job is one request on its way through a worker. Jobs and their buffers
 // are pooled, so steady-state I/O allocates almost nothing per request.
 type job struct {
-	req      request
+	req      wire.Request
 	start    time.Time
 	cost     int64 // budget bytes held
 	reserved bool  // charged to the server's reserve instead of its Memory (reserve.go)

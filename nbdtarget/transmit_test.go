@@ -16,6 +16,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
 	"github.com/nbdmapper/nbdmapper/table"
+	"github.com/nbdmapper/nbdmapper/wire"
 )
 
 // Layout of the "t" export, 64 KiB per line:
@@ -84,43 +85,43 @@ func TestRequestErrors(t *testing.T) {
 		payload []byte
 		want    uint32
 	}{
-		{"unknown command", "t", 42, 0, 0, 512, nil, EINVAL},
-		{"unknown flag", "t", cmdRead, 1 << 7, 0, 512, nil, EINVAL},
-		{"NO_HOLE on write", "t", cmdWrite, cfNoHole, 0, 512, p512, EINVAL},
-		{"DF without structured replies", "t", cmdRead, cfDF, 0, 512, nil, EINVAL},
-		{"REQ_ONE on read", "t", cmdRead, cfReqOne, 0, 512, nil, EINVAL},
-		{"read past end", "t", cmdRead, 0, sizeT - 256, 512, nil, EINVAL},
-		{"read at end", "t", cmdRead, 0, sizeT, 1, nil, EINVAL},
-		{"write past end", "t", cmdWrite, 0, sizeT - 256, 512, p512, ENOSPC},
-		{"write zeroes past end", "t", cmdWriteZeroes, 0, sizeT, 512, nil, ENOSPC},
-		{"trim past end", "t", cmdTrim, 0, sizeT - 512, 1024, nil, EINVAL},
-		{"cache past end", "t", cmdCache, 0, sizeT - 512, 1024, nil, EINVAL},
-		{"offset wraps around", "t", cmdRead, 0, ^uint64(0) - 10, 512, nil, EINVAL},
-		{"long read past the end", "t", cmdRead, 0, 0, over, nil, EINVAL},
-		{"long write past the end keeps the stream in sync", "t", cmdWrite, 0, 0, over, big, ENOSPC},
-		{"oversized trim is range-checked, not refused", "t", cmdTrim, 0, 0, over, nil, EINVAL},
-		{"flush with a length", "t", cmdFlush, 0, 0, 512, nil, EINVAL},
-		{"block status without contexts", "t", cmdBlockStatus, 0, 0, 512, nil, EINVAL},
-		{"read error target", "t", cmdRead, 0, offError, 512, nil, EIO},
-		{"write error target", "t", cmdWrite, 0, offError + 512, 512, p512, EIO},
-		{"trim across error target", "t", cmdTrim, 0, offError - 512, 1024, nil, EIO},
-		{"read backing I/O error", "t", cmdRead, 0, offFail, 4096, nil, EIO},
-		{"write backing I/O error", "t", cmdWrite, cfFUA, offFail + 512, 512, p512, EIO},
-		{"fast zero without native zeroing", "t", cmdWriteZeroes, cfFastZero, offNoZero, 4096, nil, ENOTSUP},
-		{"slow zero without native zeroing", "t", cmdWriteZeroes, cfNoHole, offNoZero, 4096, nil, 0},
-		{"fast zero on a zero target", "t", cmdWriteZeroes, cfFastZero, offZero, 4096, nil, 0},
-		{"zero-length read", "t", cmdRead, 0, 100, 0, nil, 0},
-		{"zero-length write", "t", cmdWrite, 0, 100, 0, nil, 0},
-		{"zero-length trim", "t", cmdTrim, 0, 100, 0, nil, 0},
-		{"zero-length write zeroes at the end", "t", cmdWriteZeroes, 0, sizeT, 0, nil, 0},
-		{"zero-length cache", "t", cmdCache, 0, 0, 0, nil, 0},
-		{"FUA on read is accepted", "t", cmdRead, cfFUA, 0, 512, nil, 0},
-		{"cache", "t", cmdCache, 0, 0, offError, nil, 0},
-		{"cache over error target", "t", cmdCache, 0, offError, 512, nil, EIO},
-		{"write on read-only", "ro", cmdWrite, 0, 0, 512, p512, EPERM},
-		{"trim on read-only", "ro", cmdTrim, 0, 0, 512, nil, EPERM},
-		{"write zeroes on read-only", "ro", cmdWriteZeroes, cfFastZero, 0, 512, nil, EPERM},
-		{"flush on read-only", "ro", cmdFlush, 0, 0, 0, nil, 0},
+		{"unknown command", "t", 42, 0, 0, 512, nil, wire.EINVAL},
+		{"unknown flag", "t", wire.CmdRead, 1 << 7, 0, 512, nil, wire.EINVAL},
+		{"NO_HOLE on write", "t", wire.CmdWrite, wire.CfNoHole, 0, 512, p512, wire.EINVAL},
+		{"DF without structured replies", "t", wire.CmdRead, wire.CfDF, 0, 512, nil, wire.EINVAL},
+		{"REQ_ONE on read", "t", wire.CmdRead, wire.CfReqOne, 0, 512, nil, wire.EINVAL},
+		{"read past end", "t", wire.CmdRead, 0, sizeT - 256, 512, nil, wire.EINVAL},
+		{"read at end", "t", wire.CmdRead, 0, sizeT, 1, nil, wire.EINVAL},
+		{"write past end", "t", wire.CmdWrite, 0, sizeT - 256, 512, p512, wire.ENOSPC},
+		{"write zeroes past end", "t", wire.CmdWriteZeroes, 0, sizeT, 512, nil, wire.ENOSPC},
+		{"trim past end", "t", wire.CmdTrim, 0, sizeT - 512, 1024, nil, wire.EINVAL},
+		{"cache past end", "t", wire.CmdCache, 0, sizeT - 512, 1024, nil, wire.EINVAL},
+		{"offset wraps around", "t", wire.CmdRead, 0, ^uint64(0) - 10, 512, nil, wire.EINVAL},
+		{"long read past the end", "t", wire.CmdRead, 0, 0, over, nil, wire.EINVAL},
+		{"long write past the end keeps the stream in sync", "t", wire.CmdWrite, 0, 0, over, big, wire.ENOSPC},
+		{"oversized trim is range-checked, not refused", "t", wire.CmdTrim, 0, 0, over, nil, wire.EINVAL},
+		{"flush with a length", "t", wire.CmdFlush, 0, 0, 512, nil, wire.EINVAL},
+		{"block status without contexts", "t", wire.CmdBlockStatus, 0, 0, 512, nil, wire.EINVAL},
+		{"read error target", "t", wire.CmdRead, 0, offError, 512, nil, wire.EIO},
+		{"write error target", "t", wire.CmdWrite, 0, offError + 512, 512, p512, wire.EIO},
+		{"trim across error target", "t", wire.CmdTrim, 0, offError - 512, 1024, nil, wire.EIO},
+		{"read backing I/O error", "t", wire.CmdRead, 0, offFail, 4096, nil, wire.EIO},
+		{"write backing I/O error", "t", wire.CmdWrite, wire.CfFUA, offFail + 512, 512, p512, wire.EIO},
+		{"fast zero without native zeroing", "t", wire.CmdWriteZeroes, wire.CfFastZero, offNoZero, 4096, nil, wire.ENOTSUP},
+		{"slow zero without native zeroing", "t", wire.CmdWriteZeroes, wire.CfNoHole, offNoZero, 4096, nil, 0},
+		{"fast zero on a zero target", "t", wire.CmdWriteZeroes, wire.CfFastZero, offZero, 4096, nil, 0},
+		{"zero-length read", "t", wire.CmdRead, 0, 100, 0, nil, 0},
+		{"zero-length write", "t", wire.CmdWrite, 0, 100, 0, nil, 0},
+		{"zero-length trim", "t", wire.CmdTrim, 0, 100, 0, nil, 0},
+		{"zero-length write zeroes at the end", "t", wire.CmdWriteZeroes, 0, sizeT, 0, nil, 0},
+		{"zero-length cache", "t", wire.CmdCache, 0, 0, 0, nil, 0},
+		{"FUA on read is accepted", "t", wire.CmdRead, wire.CfFUA, 0, 512, nil, 0},
+		{"cache", "t", wire.CmdCache, 0, 0, offError, nil, 0},
+		{"cache over error target", "t", wire.CmdCache, 0, offError, 512, nil, wire.EIO},
+		{"write on read-only", "ro", wire.CmdWrite, 0, 0, 512, p512, wire.EPERM},
+		{"trim on read-only", "ro", wire.CmdTrim, 0, 0, 512, nil, wire.EPERM},
+		{"write zeroes on read-only", "ro", wire.CmdWriteZeroes, wire.CfFastZero, 0, 512, nil, wire.EPERM},
+		{"flush on read-only", "ro", wire.CmdFlush, 0, 0, 0, nil, 0},
 	}
 	f := newTFix(t, nil)
 	conns := map[string]*rawClient{"t": dialRaw(t, f.sock), "ro": dialRaw(t, f.sock)}
@@ -134,7 +135,7 @@ func TestRequestErrors(t *testing.T) {
 			h := uint64(1000 + i)
 			c.request(tc.typ, tc.flags, h, tc.off, tc.length, tc.payload)
 			dataLen := 0
-			if tc.typ == cmdRead && tc.want == 0 {
+			if tc.typ == wire.CmdRead && tc.want == 0 {
 				dataLen = int(tc.length)
 			}
 			gotH, errno, _ := c.simple(dataLen)
@@ -142,7 +143,7 @@ func TestRequestErrors(t *testing.T) {
 				t.Fatalf("reply handle %d errno %d, want %d %d", gotH, errno, h, tc.want)
 			}
 			// The connection is still usable and in sync.
-			c.request(cmdRead, 0, h+1e6, 0, 512, nil)
+			c.request(wire.CmdRead, 0, h+1e6, 0, 512, nil)
 			if gotH, errno, _ := c.simple(512); gotH != h+1e6 || errno != 0 {
 				t.Fatalf("follow-up read: handle %d errno %d", gotH, errno)
 			}
@@ -155,7 +156,7 @@ func TestReadWriteRoundTrip(t *testing.T) {
 	c := dialRaw(t, f.sock)
 	c.connect("", false, false)
 	data := bytes.Repeat([]byte("nbdmapper"), 1000)[:8000]
-	c.request(cmdWrite, cfFUA, 1, 1000, uint32(len(data)), data)
+	c.request(wire.CmdWrite, wire.CfFUA, 1, 1000, uint32(len(data)), data)
 	if _, e, _ := c.simple(0); e != 0 {
 		t.Fatalf("write errno %d", e)
 	}
@@ -163,30 +164,30 @@ func TestReadWriteRoundTrip(t *testing.T) {
 	if _, err := f.a.ReadAt(got, 1000); err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("backing device does not hold the written data (err %v)", err)
 	}
-	c.request(cmdRead, 0, 2, 1000, uint32(len(data)), nil)
+	c.request(wire.CmdRead, 0, 2, 1000, uint32(len(data)), nil)
 	if _, e, d := c.simple(len(data)); e != 0 || !bytes.Equal(d, data) {
 		t.Fatalf("read back errno %d, equal %v", e, bytes.Equal(d, data))
 	}
 	// Writes to a zero target are dropped; it still reads as zeros.
-	c.request(cmdWrite, 0, 3, offZero, 512, data[:512])
+	c.request(wire.CmdWrite, 0, 3, offZero, 512, data[:512])
 	if _, e, _ := c.simple(0); e != 0 {
 		t.Fatalf("write to zero target: errno %d", e)
 	}
-	c.request(cmdRead, 0, 4, offZero, 512, nil)
+	c.request(wire.CmdRead, 0, 4, offZero, 512, nil)
 	if _, e, d := c.simple(512); e != 0 || !bytes.Equal(d, make([]byte, 512)) {
 		t.Fatalf("zero target read errno %d data %x...", e, d[:8])
 	}
 	// Trim and write zeroes make the range read as zeros.
 	// Requests in flight together may run in any order, so each waits for
 	// the previous reply.
-	for _, cmd := range []uint16{cmdWriteZeroes, cmdTrim} {
-		for _, r := range []request{
-			{Type: cmdWrite, Handle: 5, Length: 4096},
-			{Type: cmdFlush, Handle: 6},
+	for _, cmd := range []uint16{wire.CmdWriteZeroes, wire.CmdTrim} {
+		for _, r := range []wire.Request{
+			{Type: wire.CmdWrite, Handle: 5, Length: 4096},
+			{Type: wire.CmdFlush, Handle: 6},
 			{Type: cmd, Handle: 7, Length: 4096},
 		} {
 			var payload []byte
-			if r.Type == cmdWrite {
+			if r.Type == wire.CmdWrite {
 				payload = bytes.Repeat([]byte{1}, 4096)
 			}
 			c.request(r.Type, 0, r.Handle, 0, r.Length, payload)
@@ -194,7 +195,7 @@ func TestReadWriteRoundTrip(t *testing.T) {
 				t.Fatalf("cmd %d errno %d", r.Type, e)
 			}
 		}
-		c.request(cmdRead, 0, 8, 0, 4096, nil)
+		c.request(wire.CmdRead, 0, 8, 0, 4096, nil)
 		if _, _, d := c.simple(4096); !bytes.Equal(d, make([]byte, 4096)) {
 			t.Errorf("after command %d the range does not read as zeros", cmd)
 		}
@@ -204,19 +205,19 @@ func TestReadWriteRoundTrip(t *testing.T) {
 func TestStructuredReplies(t *testing.T) {
 	f := newTFix(t, nil)
 	c := dialRaw(t, f.sock)
-	if flags := c.connect("t", true, true); flags&tfSendDF == 0 {
+	if flags := c.connect("t", true, true); flags&wire.TfSendDF == 0 {
 		t.Fatalf("DF not advertised with structured replies: %#x", flags)
 	}
 	data := bytes.Repeat([]byte{0xab}, 4096)
-	c.request(cmdWrite, 0, 1, 0, 4096, data)
+	c.request(wire.CmdWrite, 0, 1, 0, 4096, data)
 	if r := c.any(); !r.simple || r.errno != 0 || r.handle != 1 {
 		t.Fatalf("write reply %+v", r)
 	}
 
 	t.Run("read is one OFFSET_DATA chunk", func(t *testing.T) {
 		c.t = t
-		for _, flags := range []uint16{0, cfDF} {
-			c.request(cmdRead, flags, 2, 512, 1024, nil)
+		for _, flags := range []uint16{0, wire.CfDF} {
+			c.request(wire.CmdRead, flags, 2, 512, 1024, nil)
 			ch := c.chunk()
 			if ch.handle != 2 || ch.typ != 1 || ch.flags != 1 || len(ch.payload) != 8+1024 {
 				t.Fatalf("chunk %d %d %d len %d", ch.handle, ch.typ, ch.flags, len(ch.payload))
@@ -228,7 +229,7 @@ func TestStructuredReplies(t *testing.T) {
 	})
 	t.Run("zero-length read is NONE", func(t *testing.T) {
 		c.t = t
-		c.request(cmdRead, 0, 3, 0, 0, nil)
+		c.request(wire.CmdRead, 0, 3, 0, 0, nil)
 		if ch := c.chunk(); ch.typ != 0 || ch.flags != 1 || len(ch.payload) != 0 {
 			t.Fatalf("chunk %+v", ch)
 		}
@@ -241,16 +242,16 @@ func TestStructuredReplies(t *testing.T) {
 		errno  uint32
 		atOff  bool
 	}{
-		{"invalid read is ERROR", cmdRead, sizeT, 512, EINVAL, false},
-		{"failed read is ERROR_OFFSET at the failing line", cmdRead, offError - 512, 1024, EIO, true},
-		{"failed write is ERROR", cmdWrite, offError, 512, EIO, false},
-		{"invalid block status is ERROR", cmdBlockStatus, sizeT, 512, EINVAL, false},
+		{"invalid read is ERROR", wire.CmdRead, sizeT, 512, wire.EINVAL, false},
+		{"failed read is ERROR_OFFSET at the failing line", wire.CmdRead, offError - 512, 1024, wire.EIO, true},
+		{"failed write is ERROR", wire.CmdWrite, offError, 512, wire.EIO, false},
+		{"invalid block status is ERROR", wire.CmdBlockStatus, sizeT, 512, wire.EINVAL, false},
 	}
 	for _, tc := range errTests {
 		t.Run(tc.name, func(t *testing.T) {
 			c.t = t
 			var payload []byte
-			if tc.typ == cmdWrite {
+			if tc.typ == wire.CmdWrite {
 				payload = make([]byte, tc.length)
 			}
 			c.request(tc.typ, 0, 4, tc.off, tc.length, payload)
@@ -261,8 +262,8 @@ func TestStructuredReplies(t *testing.T) {
 			}
 			// Device errors carry a fixed text per errno, never the
 			// error's own (which names paths and devices).
-			if tc.errno == EIO && msg != errMessage(EIO) {
-				t.Fatalf("EIO message %q, want %q", msg, errMessage(EIO))
+			if tc.errno == wire.EIO && msg != errMessage(wire.EIO) {
+				t.Fatalf("EIO message %q, want %q", msg, errMessage(wire.EIO))
 			}
 			if got := ch.typ == 1<<15+2; got != tc.atOff || (tc.atOff && off != offError) {
 				t.Fatalf("chunk type %#x offset %d", ch.typ, off)
@@ -282,11 +283,11 @@ func TestStructuredReplies(t *testing.T) {
 			// with the zero target; the error line is data; fail, nozero
 			// and gate are holes.
 			{0, 0, sizeT, []ext{{4096, 0}, {124 * kb, 3}, {64 * kb, 0}, {192 * kb, 3}}},
-			{cfReqOne, 0, sizeT, []ext{{4096, 0}}},
-			{cfReqOne, 8192, sizeT - 8192, []ext{{120 * kb, 3}}},
+			{wire.CfReqOne, 0, sizeT, []ext{{4096, 0}}},
+			{wire.CfReqOne, 8192, sizeT - 8192, []ext{{120 * kb, 3}}},
 			{0, offError + 100, 100, []ext{{100, 0}}},
 		} {
-			c.request(cmdBlockStatus, tc.flags, 5, tc.off, tc.n, nil)
+			c.request(wire.CmdBlockStatus, tc.flags, 5, tc.off, tc.n, nil)
 			ch := c.chunk()
 			if ch.typ != 5 || ch.flags != 1 || binary.BigEndian.Uint32(ch.payload) != metaBaseID {
 				t.Fatalf("chunk %+v", ch)
@@ -338,10 +339,10 @@ func TestOutOfOrder(t *testing.T) {
 	f := newTFix(t, nil)
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
-	c.request(cmdRead, 0, 1, offGate, 4096, nil)
+	c.request(wire.CmdRead, 0, 1, offGate, 4096, nil)
 	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
 	for h := uint64(2); h < 6; h++ {
-		c.request(cmdRead, 0, h, offA, 4096, nil)
+		c.request(wire.CmdRead, 0, h, offA, 4096, nil)
 	}
 	for want := uint64(2); want < 6; want++ {
 		if h, e, _ := c.simple(4096); e != 0 || h == 1 {
@@ -362,7 +363,7 @@ func TestManyInFlight(t *testing.T) {
 	c.connect("t", false, false)
 	const n = 100
 	for i := range n {
-		c.request(cmdWrite, 0, uint64(i), uint64(i*512), 512, bytes.Repeat([]byte{byte(i)}, 512))
+		c.request(wire.CmdWrite, 0, uint64(i), uint64(i*512), 512, bytes.Repeat([]byte{byte(i)}, 512))
 	}
 	seen := map[uint64]bool{}
 	for range n {
@@ -385,9 +386,9 @@ func TestDiscFinishesOutstanding(t *testing.T) {
 	f := newTFix(t, nil)
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
-	c.request(cmdRead, 0, 1, offGate, 512, nil)
+	c.request(wire.CmdRead, 0, 1, offGate, 512, nil)
 	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
-	c.request(cmdDisc, 0, 2, 0, 0, nil)
+	c.request(wire.CmdDisc, 0, 2, 0, 0, nil)
 	// Release the read only once the server has taken DISC and stopped
 	// reading, so a server that closed at DISC would have done so by now.
 	nbdtest.Until(t, "the server to stop reading after DISC", func() bool {
@@ -408,8 +409,8 @@ func TestBrokenStreamClosesOnlyItsConnection(t *testing.T) {
 	good := dialRaw(t, f.sock)
 	good.connect("t", false, false)
 	for _, garbage := range [][]byte{
-		bytes.Repeat([]byte{0xff}, 28),                                 // bad request magic
-		encodeRequest(nil, request{Type: cmdWrite, Length: 4096})[:20], // then hang up mid-header
+		bytes.Repeat([]byte{0xff}, 28), // bad request magic
+		wire.AppendRequest(nil, wire.Request{Type: wire.CmdWrite, Length: 4096})[:20], // then hang up mid-header
 	} {
 		bad := dialRaw(t, f.sock)
 		bad.connect("t", false, false)
@@ -418,7 +419,7 @@ func TestBrokenStreamClosesOnlyItsConnection(t *testing.T) {
 			t.Fatal("connection with a bad request magic still open")
 		}
 		bad.nc.Close()
-		good.request(cmdRead, 0, 9, 0, 512, nil)
+		good.request(wire.CmdRead, 0, 9, 0, 512, nil)
 		if h, e, _ := good.simple(512); h != 9 || e != 0 {
 			t.Fatalf("other connection: handle %d errno %d", h, e)
 		}
@@ -431,7 +432,7 @@ func TestShutdownFinishesInFlight(t *testing.T) {
 	c.connect("t", false, false)
 	idle := dialRaw(t, f.sock)
 	idle.greet(3) // stuck in the handshake
-	c.request(cmdRead, 0, 1, offGate, 512, nil)
+	c.request(wire.CmdRead, 0, 1, offGate, 512, nil)
 	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
 	done := make(chan error, 1)
 	go func() { done <- f.srv.Shutdown(context.Background()) }()
@@ -474,13 +475,13 @@ func TestStatsAndObserve(t *testing.T) {
 	}})
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
-	c.request(cmdWrite, 0, 1, 0, 4096, make([]byte, 4096))
+	c.request(wire.CmdWrite, 0, 1, 0, 4096, make([]byte, 4096))
 	c.simple(0)
-	c.request(cmdRead, 0, 2, 0, 4096, nil)
+	c.request(wire.CmdRead, 0, 2, 0, 4096, nil)
 	c.simple(4096)
-	c.request(cmdRead, 0, 3, sizeT, 4096, nil)
+	c.request(wire.CmdRead, 0, 3, sizeT, 4096, nil)
 	c.simple(0)
-	c.request(cmdFlush, 0, 4, 0, 0, nil)
+	c.request(wire.CmdFlush, 0, 4, 0, 0, nil)
 	c.simple(0)
 
 	st := f.srv.Stats()
@@ -492,7 +493,7 @@ func TestStatsAndObserve(t *testing.T) {
 		t.Errorf("connections %d total %d in flight %d", x.Connections, x.ConnectionsTotal, x.InFlight)
 	}
 	r, w, fl := x.Ops["read"], x.Ops["write"], x.Ops["flush"]
-	if r.Requests != 2 || r.Bytes != 4096 || len(r.Errors) != 1 || r.Errors[EINVAL] != 1 {
+	if r.Requests != 2 || r.Bytes != 4096 || len(r.Errors) != 1 || r.Errors[wire.EINVAL] != 1 {
 		t.Errorf("read stats %+v", r)
 	}
 	if w.Requests != 1 || w.Bytes != 4096 || w.Errors != nil || w.Duration <= 0 {
@@ -503,7 +504,7 @@ func TestStatsAndObserve(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	want := []obs{{"t", "write", 4096, 0}, {"t", "read", 4096, 0}, {"t", "read", 0, EINVAL}, {"t", "flush", 0, 0}}
+	want := []obs{{"t", "write", 4096, 0}, {"t", "read", 4096, 0}, {"t", "read", 0, wire.EINVAL}, {"t", "flush", 0, 0}}
 	if len(seen) != len(want) {
 		t.Fatalf("observed %v", seen)
 	}
@@ -523,7 +524,7 @@ func TestShutdownContext(t *testing.T) {
 	f := newTFix(t, nil)
 	c := dialRaw(t, f.sock)
 	c.connect("t", false, false)
-	c.request(cmdRead, 0, 1, offGate, 512, nil)
+	c.request(wire.CmdRead, 0, 1, offGate, 512, nil)
 	nbdtest.Recv(t, f.gate.entered, "the read to reach the gated device")
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
