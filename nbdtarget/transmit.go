@@ -334,9 +334,8 @@ func (c *conn) socketWaits() uint64 {
 // each time). Serial mode starts at the serialAfter'th fitting request in
 // a row and holds while one of the last flushWindow requests was a flush:
 // without flushes, the device calls do not block long enough for a woken
-// reader to cost more than lingering does (fio's 4k reads at queue depth 1
-// lost 16-20% in serial mode; docs/architecture.md). The caller holds the
-// token.
+// reader to cost more than lingering does (docs/decisions/serial-mode.md).
+// The caller holds the token.
 func (c *conn) serial(alone bool, waits uint64, r *wire.Request) bool {
 	rs, ok := c.sock.(*rawSocket)
 	if !ok {
@@ -415,8 +414,8 @@ const (
 // sysmon to take the P from the first, 20 µs or more later. Small
 // requests gain nothing from a second P but wake-ups, and large reads
 // gained nothing either: plain ones are spliced, with no copy in the
-// server, and over TLS they measured 0.98x (docs/benchmarks.md). The
-// caller holds the token.
+// server, and over TLS they did not gain (docs/decisions/procs-auto.md).
+// The caller holds the token.
 func (c *conn) bulk(r *wire.Request) {
 	switch {
 	case r.Type == wire.CmdWrite && r.Length >= bulkMin:
@@ -491,10 +490,8 @@ func (c *conn) read() *job {
 // the client cannot act on, and a client with few requests in flight that
 // gets its replies in bursts sleeps between them, sends its next requests
 // in bursts in turn, and the two sides end up taking turns, each woken
-// from sleep (17 µs on the VM measured) for every burst. fio's 4k random
-// reads at queue depth 8 made 121,224 IOPS with replies held and 161,363
-// without; at queue depth 32, 173,279 with and 164,168 without
-// (docs/benchmarks.md, "Replies held for deep queues only").
+// from sleep for every burst. Held replies lose at shallow queue depths
+// and gain at deep ones (docs/decisions/reply-holding.md).
 const (
 	// holdWindow is the least queue depth (window.depth) at which replies
 	// are held.
