@@ -14,19 +14,9 @@ import (
 	"github.com/nbdmapper/nbdmapper/attach"
 )
 
-const attachUsage = `usage:
-  nbdmapper attach [--connections N] [--block-size BYTES] [--timeout SECONDS] [--follow D]
-                   (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
-  nbdmapper detach /dev/nbdX
-
-attach stays in the foreground until the device is detached (nbdmapper detach,
-nbd-client -d) or it gets SIGINT/SIGTERM, which detaches it.
-`
-
 // runAttach connects an export to a kernel nbd device; see package attach.
 func runAttach(args []string) error {
-	fs := flag.NewFlagSet("attach", flag.ContinueOnError)
-	fs.Usage = func() { fmt.Fprint(fs.Output(), attachUsage); fs.PrintDefaults() }
+	fs := newFlagSet("attach")
 	socket := fs.String("socket", "", "connect to the server's unix socket PATH")
 	connect := fs.String("connect", "", "connect to the server at HOST:PORT (default port 10809)")
 	export := fs.String("export", "", "export name (default: the server's default export)")
@@ -76,9 +66,13 @@ func runAttach(args []string) error {
 // runDetach disconnects a kernel nbd device attached by nbdmapper attach or
 // nbd-client.
 func runDetach(args []string) error {
-	if len(args) != 1 {
-		fmt.Fprint(os.Stderr, attachUsage)
+	fs := newFlagSet("detach")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		fs.Usage()
 		return flag.ErrHelp
 	}
-	return attach.Detach(args[0])
+	return attach.Detach(fs.Arg(0))
 }

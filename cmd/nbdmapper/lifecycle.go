@@ -2,7 +2,6 @@ package main
 
 import (
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"net"
@@ -99,7 +98,7 @@ func startControl(path string, explicit bool, passed net.Listener, log *slog.Log
 //	nbdmapper message NAME SECTOR TEXT   send a target a message
 func runLifecycle(op string) func(args []string) error {
 	return func(args []string) error {
-		fs := flag.NewFlagSet(op, flag.ContinueOnError)
+		fs := newFlagSet(op)
 		path := fs.String("control", defaultControl, "the server's control socket (serve --control)")
 		inactive, force := false, false
 		switch op {

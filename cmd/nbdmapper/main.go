@@ -2,6 +2,7 @@
 //
 //	nbdmapper serve [flags] [NAME=TABLE_FILE ...]   serve tables (a demo without any)
 //	nbdmapper check [--connect] TABLE_FILE          validate and print a normalised table
+//	nbdmapper VERB --help                           one verb's usage, with an example
 //
 // main parses flags, sets up signals and wires the packages together; the
 // work happens in nbdtarget, mapped, control, table, flush, discard and
@@ -44,10 +45,13 @@ const usage = `usage:
   nbdmapper reload NAME TABLE_FILE | suspend NAME | resume NAME | clear NAME   [--control PATH]
   nbdmapper table [--inactive] NAME | info NAME | ls | message NAME SECTOR TEXT   [--control PATH]
   nbdmapper check [--connect] TABLE_FILE
-  nbdmapper attach [--connections N] [--block-size BYTES] [--follow D] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
+  nbdmapper attach [--connections N] [--block-size BYTES] [--timeout SECONDS] [--follow D]
+                   (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX
   nbdmapper detach /dev/nbdX
   nbdmapper status [--table] [--metrics HOST:PORT|URL] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
                    [--user NAME --password-file FILE]   ask a running server, like dmsetup status/table
+  nbdmapper version | --version
+  nbdmapper help [VERB] | VERB --help
 
 Table devices are paths, major:minor, /dev/mapper/NAME, or NBD URIs of other servers'
 exports: nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH, nbds://... and
@@ -73,20 +77,34 @@ var commands = map[string]func(args []string) error{
 	"info":    runLifecycle("info"),
 	"ls":      runLifecycle("ls"),
 	"message": runLifecycle("message"),
+	"version": runVersion,
 }
+
+// help reads commands, so it joins them at init.
+func init() { commands["help"] = runHelp }
 
 func main() {
 	args := os.Args[1:]
 	if len(args) == 0 {
 		args = []string{"serve"}
 	}
+	switch {
+	case args[0] == "--version" || args[0] == "-version":
+		args[0] = "version"
+	case isHelpFlag(args[0]):
+		args = append([]string{"help"}, args[1:]...)
+	}
 	run, ok := commands[args[0]]
 	if !ok {
-		fmt.Fprint(os.Stderr, usage)
+		fmt.Fprintln(os.Stderr, "nbdmapper:", unknownVerb(args[0]))
 		os.Exit(2)
 	}
+	helpWanted = asksHelp(args[1:])
 	if err := run(args[1:]); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
+			if helpWanted {
+				os.Exit(0)
+			}
 			os.Exit(2)
 		}
 		fmt.Fprintln(os.Stderr, "nbdmapper:", err)
@@ -98,7 +116,7 @@ func main() {
 // URIs) are checked for form only, unless --connect: then each is
 // connected to, read-only, and the table's areas checked against its size.
 func runCheck(args []string) error {
-	fs := flag.NewFlagSet("check", flag.ContinueOnError)
+	fs := newFlagSet("check")
 	connect := fs.Bool("connect", false, "connect to the remote exports the table names (read-only) and check their sizes")
 	var rf remoteFlags
 	rf.register(fs)
@@ -149,7 +167,7 @@ type serveFlags struct {
 
 func runServe(args []string) error {
 	var sf serveFlags
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs := newFlagSet("serve")
 	fs.StringVar(&sf.socket, "socket", "", "listen on this unix socket")
 	fs.StringVar(&sf.listen, "listen", "", "listen on HOST:PORT (default 127.0.0.1:10809 when no --socket)")
 	fs.BoolVar(&sf.readOnly, "read-only", false, "serve every export read-only")

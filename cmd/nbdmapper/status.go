@@ -2,7 +2,6 @@ package main
 
 import (
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/http"
@@ -65,7 +64,7 @@ func failedLines(x *nbdtarget.Export, f *flush.Engine) string {
 // runStatus asks a running `nbdmapper serve` for its devices' status lines
 // (or, with --table, their tables), like dmsetup status / dmsetup table.
 func runStatus(args []string) error {
-	fs := flag.NewFlagSet("status", flag.ContinueOnError)
+	fs := newFlagSet("status")
 	addr := fs.String("metrics", defaultMetricsAddr, "the server's --metrics HOST:PORT, or a URL (https://HOST:PORT)")
 	tableOut := fs.Bool("table", false, "print the tables instead of their status")
 	var hf httpClientFlags
