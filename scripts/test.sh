@@ -26,6 +26,11 @@ packages=(
 	systemd         # systemd-socket-activate, systemd-analyze (no systemd PID 1 needed)
 	openssl         # certificates for the guest's nbd-client TLS test and the certificate matrix
 	gnutls-bin      # certtool, for the certificate matrix (cmd/nbdmapper/certmatrix_test.go)
+	lintian         # checks the Debian package (scripts/package.sh)
+	go-md2man       # renders docs/man
+	man-db          # man --warnings on the rendered pages
+	groff-base
+	zsh             # parses the zsh completion
 )
 sudo=""
 [ "$(id -u)" = 0 ] || sudo=sudo
