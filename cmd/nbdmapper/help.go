@@ -44,6 +44,8 @@ var verbHelps = []verbHelp{
 		"nbdmapper check /etc/nbdmapper/tables/disk.table"},
 	{"status", "[--table] [--metrics HOST:PORT|URL] [flags]", "Print every device's status lines (or, with --table, its table) from a\nrunning server, as dmsetup status does, and how far each snapshot-merge is.",
 		"nbdmapper status --metrics 127.0.0.1:9810"},
+	{"wait", "[--interval D] [--control PATH] NAME", "Follow NAME's snapshot-merge until it ends, as lvconvert --merge -i does:\na progress bar on a terminal, else a line per interval; exit 1 if it fails.",
+		"nbdmapper wait --interval 5s disk"},
 	{"attach", "[flags] (--socket PATH | --connect HOST:PORT) [--export NAME] /dev/nbdX", "Connect an export to a kernel nbd device, in the foreground until detached.",
 		"nbdmapper attach --socket /run/nbd.sock --export disk /dev/nbd0"},
 	{"detach", "/dev/nbdX", "Disconnect a kernel nbd device.",

@@ -50,6 +50,7 @@ const usage = `usage:
   nbdmapper detach /dev/nbdX
   nbdmapper status [--table] [--metrics HOST:PORT|URL] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]
                    [--user NAME --password-file FILE]   ask a running server, like dmsetup status/table
+  nbdmapper wait [--interval D] [--control PATH] NAME   follow a snapshot-merge to its end
   nbdmapper version | --version
   nbdmapper help [VERB] | VERB --help
 
@@ -77,6 +78,7 @@ var commands = map[string]func(args []string) error{
 	"info":    runLifecycle("info"),
 	"ls":      runLifecycle("ls"),
 	"message": runLifecycle("message"),
+	"wait":    runWait,
 	"version": runVersion,
 }
 

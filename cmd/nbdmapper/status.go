@@ -98,6 +98,13 @@ func runStatus(args []string) error {
 	if resp.StatusCode != http.StatusOK {
 		return fmt.Errorf("%s%s: %s", base, path, resp.Status)
 	}
-	_, err = io.Copy(os.Stdout, resp.Body)
+	page, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	if !*tableOut {
+		page = []byte(mergePercentLines(string(page)))
+	}
+	_, err = os.Stdout.Write(page)
 	return err
 }

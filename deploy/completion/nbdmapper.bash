@@ -2,7 +2,7 @@
 # binary itself, so they never go stale), export names from `nbdmapper ls`,
 # table files, and /dev/nbdX devices.
 
-_nbdmapper_verbs="serve create remove reload suspend resume clear table info ls message check status attach detach version help"
+_nbdmapper_verbs="serve create remove reload suspend resume clear table info ls message check status wait attach detach version help"
 
 # _nbdmapper_flags VERB: the flags VERB --help lists, as --name.
 _nbdmapper_flags() {
