@@ -38,7 +38,7 @@ var verbHelps = []verbHelp{
 		"nbdmapper info disk"},
 	{"ls", "[--control PATH]", "List the devices of a running server.",
 		"nbdmapper ls"},
-	{"message", "[--control PATH] NAME SECTOR TEXT", "Send a message to the target of NAME's table that covers SECTOR.",
+	{"message", "[--control PATH] NAME SECTOR TEXT", "Send a message to the target of NAME's table that covers SECTOR\n(no target takes messages yet: it fails, naming the device).",
 		"nbdmapper message disk 0 drop_cache"},
 	{"check", "[--connect] TABLE_FILE", "Validate a table and print it normalised; with --connect, also open the\nremote exports it names and check their sizes.",
 		"nbdmapper check /etc/nbdmapper/tables/disk.table"},
