@@ -2,6 +2,7 @@ package nbdtest
 
 import (
 	"bufio"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -74,19 +75,31 @@ const (
 // DialNBD connects and negotiates export with NBD_OPT_GO, asking for no
 // info beyond the mandatory NBD_INFO_EXPORT (so no block size limits).
 func DialNBD(network, addr, export string, opts ...DialOption) (*Client, error) {
+	return DialTLS(network, addr, export, nil, opts...)
+}
+
+// DialTLS is DialNBD with NBD_OPT_STARTTLS first, when cfg is not nil:
+// every later option and the transmission phase go over TLS with cfg.
+func DialTLS(network, addr, export string, cfg *tls.Config, opts ...DialOption) (*Client, error) {
 	nc, err := net.Dial(network, addr)
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{nc: nc, br: bufio.NewReaderSize(nc, 1<<20), bw: bufio.NewWriterSize(nc, 1<<20)}
-	if err := c.handshake(export, opts); err != nil {
-		nc.Close()
+	c := &Client{}
+	c.use(nc)
+	if err := c.handshake(export, cfg, opts); err != nil {
+		c.nc.Close()
 		return nil, fmt.Errorf("handshake: %w", err)
 	}
 	return c, nil
 }
 
-func (c *Client) handshake(export string, opts []DialOption) error {
+// use makes nc the connection the client reads and writes.
+func (c *Client) use(nc net.Conn) {
+	c.nc, c.br, c.bw = nc, bufio.NewReaderSize(nc, 1<<20), bufio.NewWriterSize(nc, 1<<20)
+}
+
+func (c *Client) handshake(export string, cfg *tls.Config, opts []DialOption) error {
 	var g [18]byte
 	if _, err := io.ReadFull(c.br, g[:]); err != nil {
 		return err
@@ -95,6 +108,16 @@ func (c *Client) handshake(export string, opts []DialOption) error {
 		return errors.New("bad greeting")
 	}
 	c.bw.Write(binary.BigEndian.AppendUint32(nil, 3)) // FIXED_NEWSTYLE | NO_ZEROES
+	if cfg != nil {
+		if _, err := c.option(5, nil); err != nil { // STARTTLS
+			return err
+		}
+		tc := tls.Client(c.nc, cfg)
+		if err := tc.Handshake(); err != nil {
+			return err
+		}
+		c.use(tc)
+	}
 	structured, meta := false, false
 	for _, o := range opts {
 		structured = structured || o == Structured || o == Allocation
