@@ -31,6 +31,7 @@ packages=(
 	man-db          # man --warnings on the rendered pages
 	groff-base
 	zsh             # parses the zsh completion
+	thin-provisioning-tools # thin_restore, thin_dump, thin_check: thin/metadata checks our reader against them
 )
 sudo=""
 [ "$(id -u)" = 0 ] || sudo=sudo
