@@ -1,10 +1,11 @@
-// Package metadata reads the on-disk metadata of a thin pool in the
-// format of the kernel's dm-thin (drivers/md/dm-thin-metadata.c and
-// drivers/md/persistent-data/), the format thin_check, thin_dump and
+// Package metadata reads and writes the on-disk metadata of a thin pool
+// in the format of the kernel's dm-thin (drivers/md/dm-thin-metadata.c
+// and drivers/md/persistent-data/), the format thin_check, thin_dump and
 // thin_restore (thin-provisioning-tools) work on. It is the foundation the
-// thin-pool and thin targets stand on: they ask it which data block backs
-// a virtual block of a thin device; it only reads the metadata device,
-// never the data device.
+// thin-pool and thin targets stand on: they ask a Pool which data block
+// backs a virtual block of a thin device, and record allocations,
+// snapshots and discards through a Writer. It only touches the metadata
+// device, never the data device.
 //
 // # Layout
 //
@@ -56,6 +57,29 @@
 // of a tree sit at the same depth.
 //
 // The byte offsets of every structure are in format.go.
+//
+// # Transactions
+//
+// A Writer changes the metadata the way the kernel's transaction manager
+// does. A block the last commit wrote is never written again before the
+// next commit: changing a btree node shadows it, copying it to a block
+// that is free both now and at the last commit, and so on up to the root;
+// blocks freed in a transaction stay unused until it commits. Commit
+// writes the space maps, every new block, syncs, and only then writes the
+// superblock and syncs again, so a crash before the superblock lands
+// leaves the previous commit whole:
+//
+//	commit N:   superblock ──► root A ──► leaf B   (A, B are never rewritten)
+//	insert:                    root A' ──► leaf B'  (fresh copies)
+//	commit N+1: superblock ──► root A' ──► leaf B' (now A, B may be reused)
+//
+// Shadowing a node that others share (a snapshot's root, before either
+// side wrote) copies it and gives each of its children one more
+// reference, which is how a snapshot costs one reference count until
+// someone writes. The metadata space map records its own blocks: at
+// commit, every bitmap whose counts changed moves to a fresh block, which
+// may change counts in other bitmaps, until no bitmap is left to move;
+// then all of them are filled in.
 //
 // # Corrupt metadata
 //

@@ -224,11 +224,14 @@ func TestRestoredPool(t *testing.T) {
 // treeStats says how deep the pool's btrees are.
 type treeStats struct {
 	mappingDepth, refCountDepth int
+	shared                      int // references to nodes beyond their first
+	overflow                    int // metadata blocks with 3 or more references
+	dataOverflow                int // data blocks with 3 or more references
 }
 
-// checkTrees counts the references to every metadata block by walking
-// every structure the superblock reaches, and checks the metadata space
-// map holds exactly those counts: a block the walk misses, or one the
+// checkTrees counts the references to every metadata and data block by
+// walking every structure the superblock reaches, and checks the space
+// maps hold exactly those counts: a block the walk misses, or one the
 // space map does not know, is a reader (or format) bug.
 func checkTrees(t *testing.T, p *Pool) treeStats {
 	t.Helper()
@@ -237,14 +240,23 @@ func checkTrees(t *testing.T, p *Pool) treeStats {
 	// nodes adds the nodes of a btree and returns its depth; leaf calls
 	// visit each leaf value.
 	var nodes func(root uint64, valueSize int, leaf func([]byte)) int
+	var visit func(blk uint64, valueSize int, leaf func([]byte), isRoot bool) int
 	nodes = func(root uint64, valueSize int, leaf func([]byte)) int {
+		return visit(root, valueSize, leaf, true)
+	}
+	visit = func(root uint64, valueSize int, leaf func([]byte), isRoot bool) int {
 		refs[root]++
 		if refs[root] > 1 {
+			stats.shared++
 			return 0 // shared, counted once per parent, walked once
 		}
 		n, err := p.readNode(root, valueSize, "test")
 		if err != nil {
 			t.Fatal(err)
+		}
+		// thin_check's rule, which the kernel's rebalancing keeps.
+		if !isRoot && n.nr < n.max/3 {
+			t.Errorf("btree node %d: %d entries, fewer than a third of %d", root, n.nr, n.max)
 		}
 		if n.leaf {
 			for i := 0; i < n.nr; i++ {
@@ -256,13 +268,18 @@ func checkTrees(t *testing.T, p *Pool) treeStats {
 		}
 		depth := 0
 		for i := 0; i < n.nr; i++ {
-			depth = nodes(n.child(i), valueSize, leaf) + 1
+			depth = visit(n.child(i), valueSize, leaf, false) + 1
 		}
 		return depth
 	}
 	sb := p.Superblock()
+	// A data block has one reference from each leaf that maps it: a
+	// leaf that snapshots share counts once.
+	dataRefs := map[uint64]uint32{}
 	nodes(sb.DataMappingRoot, blockValueSize, func(v []byte) {
-		stats.mappingDepth = max(stats.mappingDepth, 1+nodes(le64(v, 0), mappingValueSize, nil))
+		stats.mappingDepth = max(stats.mappingDepth, 1+nodes(le64(v, 0), mappingValueSize, func(v []byte) {
+			dataRefs[le64(v, 0)>>mappingTimeBits]++
+		}))
 	})
 	nodes(sb.DeviceDetailsRoot, detailsValueSize, nil)
 	nodes(sb.DataSpaceMap.BitmapRoot, indexEntrySize, func(v []byte) { refs[le64(v, 0)]++ })
@@ -281,6 +298,9 @@ func checkTrees(t *testing.T, p *Pool) treeStats {
 
 	seen := 0
 	err := msm.Walk(func(b uint64, c uint32) error {
+		if c >= 3 {
+			stats.overflow++
+		}
 		if refs[b] != c {
 			t.Errorf("metadata block %d: space map count %d, %d references found", b, c, refs[b])
 		}
@@ -292,6 +312,24 @@ func checkTrees(t *testing.T, p *Pool) treeStats {
 	}
 	if seen != len(refs) || msm.NrAllocated() != uint64(len(refs)) {
 		t.Errorf("metadata space map: %d blocks counted, %d allocated, %d referenced", seen, msm.NrAllocated(), len(refs))
+	}
+	seen = 0
+	dsm := p.DataSpaceMap()
+	err = dsm.Walk(func(b uint64, c uint32) error {
+		if dataRefs[b] != c {
+			t.Errorf("data block %d: space map count %d, %d references found", b, c, dataRefs[b])
+		}
+		if c >= 3 {
+			stats.dataOverflow++
+		}
+		seen++
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if seen != len(dataRefs) || dsm.NrAllocated() != uint64(len(dataRefs)) {
+		t.Errorf("data space map: %d blocks counted, %d allocated, %d referenced", seen, dsm.NrAllocated(), len(dataRefs))
 	}
 	return stats
 }
