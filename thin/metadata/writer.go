@@ -13,6 +13,11 @@ import (
 // ErrNoSpace: the metadata or data device has no free block left.
 var ErrNoSpace = errors.New("thin pool out of space")
 
+// ErrNeedsCheck: the superblock carries the needs_check flag (set by the
+// kernel after a metadata error); like dm-thin, the Writer refuses the
+// pool until thin_check has cleared it.
+var ErrNeedsCheck = errors.New("thin metadata needs check")
+
 // ErrExists: a thin device with the id already exists.
 var ErrExists = errors.New("thin device exists")
 
@@ -126,6 +131,9 @@ func OpenWriter(dev File, size int64) (*Writer, error) {
 	p, err := Open(dev, size)
 	if err != nil {
 		return nil, err
+	}
+	if p.sb.Flags&FlagNeedsCheck != 0 {
+		return nil, ErrNeedsCheck
 	}
 	nr := p.nrBlocks
 	w := &Writer{

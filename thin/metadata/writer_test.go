@@ -377,3 +377,15 @@ func TestWriterErrors(t *testing.T) {
 		checkFile(t, path, &model{DataBlockSize: 128, NrDataBlocks: 100_000, Devices: []modelDevice{{Device: Device{ID: 1}}}})
 	})
 }
+
+// TestWriterNeedsCheck: a pool the kernel flagged is not written.
+func TestWriterNeedsCheck(t *testing.T) {
+	w, f, _ := newFormatted(t, 4<<20, 1000)
+	w.sb.Flags |= FlagNeedsCheck
+	if err := w.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := OpenWriter(f, 4<<20); !errors.Is(err, ErrNeedsCheck) {
+		t.Fatalf("OpenWriter of a flagged pool: %v, want ErrNeedsCheck", err)
+	}
+}
