@@ -378,6 +378,89 @@ func TestWriterErrors(t *testing.T) {
 	})
 }
 
+// memFromModel is the writer tests' model of a pool read from XML.
+func memFromModel(m *model) *memPool {
+	mp := &memPool{time: m.Time, trans: m.TransactionID, devices: map[uint64]*memDevice{}}
+	for _, d := range m.Devices {
+		md := &memDevice{d: d.Device, mappings: map[uint64]Mapping{}}
+		for _, x := range d.Mappings {
+			md.mappings[x.VBlock] = x
+		}
+		mp.devices[d.ID] = md
+	}
+	return mp
+}
+
+// TestWriterOnRestoredPool changes a pool thin_restore wrote, whose
+// space maps and trees another implementation laid out: snapshots,
+// writes, discards and a delete, then checks it as the other tests do.
+func TestWriterOnRestoredPool(t *testing.T) {
+	want := genModel(7, 20_000)
+	path := restore(t, want, 16<<20)
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	w, err := OpenWriter(f, 16<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := memFromModel(want)
+	rng := rand.New(rand.NewPCG(7, 7))
+
+	// Snapshot device 4, then overwrite and discard parts of both.
+	if err := w.CreateSnap(20, 4); err != nil {
+		t.Fatal(err)
+	}
+	m.time++
+	m.devices[4].d.SnapshottedTime = m.time
+	o := m.devices[4]
+	m.devices[20] = &memDevice{d: Device{ID: 20, MappedBlocks: o.d.MappedBlocks, TransactionID: m.trans, CreationTime: m.time, SnapshottedTime: m.time}, mappings: maps.Clone(o.mappings)}
+	for _, id := range []uint64{4, 20, 1} {
+		d := m.devices[id]
+		vs := slices.Sorted(maps.Keys(d.mappings))
+		for i := 0; i < 2000; i++ {
+			v := vs[rng.IntN(len(vs))]
+			if rng.IntN(2) == 0 {
+				db, err := w.AllocData()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := w.Insert(id, v, db); err != nil {
+					t.Fatal(err)
+				}
+				if _, ok := d.mappings[v]; !ok {
+					d.d.MappedBlocks++
+				}
+				d.mappings[v] = Mapping{VBlock: v, DBlock: db, Time: m.time}
+			} else {
+				ok, err := w.Remove(id, v)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, want := d.mappings[v]; ok != want {
+					t.Fatalf("Remove(%d, %d) = %v, want %v", id, v, ok, want)
+				}
+				if ok {
+					delete(d.mappings, v)
+					d.d.MappedBlocks--
+				}
+			}
+		}
+	}
+	if err := w.DeleteDevice(2); err != nil {
+		t.Fatal(err)
+	}
+	delete(m.devices, 2)
+	w.SetTransactionID(43)
+	m.trans = 43
+	if err := w.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	checkFile(t, path, m.model(want.NrDataBlocks))
+}
+
 // TestWriterNeedsCheck: a pool the kernel flagged is not written.
 func TestWriterNeedsCheck(t *testing.T) {
 	w, f, _ := newFormatted(t, 4<<20, 1000)
