@@ -197,3 +197,86 @@ func FuzzCorrupt(f *testing.F) {
 		}
 	})
 }
+
+// memFile is a metadata device in memory.
+type memFile struct{ b []byte }
+
+func (f *memFile) ReadAt(p []byte, off int64) (int, error) {
+	if off < 0 || off+int64(len(p)) > int64(len(f.b)) {
+		return 0, errors.New("memFile: read past the end")
+	}
+	return copy(p, f.b[off:]), nil
+}
+
+func (f *memFile) WriteAt(p []byte, off int64) (int, error) {
+	if off < 0 || off+int64(len(p)) > int64(len(f.b)) {
+		return 0, errors.New("memFile: write past the end")
+	}
+	return copy(f.b[off:], p), nil
+}
+
+func (f *memFile) Sync() error { return nil }
+
+// writeAll changes a pool as the thin targets would, and reads it back.
+func writeAll(img []byte) error {
+	f := &memFile{b: img}
+	w, err := OpenWriter(f, int64(len(img)))
+	if err != nil {
+		return err
+	}
+	steps := []func() error{
+		func() error { return w.CreateSnap(50, 1) },
+		func() error { return w.CreateThin(51) },
+		func() error {
+			b, err := w.AllocData()
+			if err != nil {
+				return err
+			}
+			return w.Insert(1, 10, b)
+		},
+		func() error { _, err := w.Remove(2, 5); return err },
+		func() error { _, err := w.Remove(1, 999); return err },
+		func() error { return w.DeleteDevice(3) },
+		func() error { return w.DeleteDevice(50) },
+		w.Commit,
+	}
+	for _, step := range steps {
+		if err := step(); err != nil && !clearError(err) && !errors.Is(err, ErrExists) && !errors.Is(err, ErrNoSpace) {
+			return err
+		}
+	}
+	return readAll(img)
+}
+
+// FuzzWriterCorrupt opens a corrupted pool for writing and changes it:
+// every error must be a clear one, and nothing may panic.
+func FuzzWriterCorrupt(f *testing.F) {
+	s := loadSmallImage(f)
+	f.Add([]byte{})
+	f.Add([]byte{1, 16, 0x10, 0, 0, 0x7f})
+	f.Add([]byte{1, 32, 0x20, 0, 0, 3, 40, 0x20, 0, 0, 9})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		img := bytes.Clone(s.img)
+		if len(data) > 0 {
+			touched := map[uint64]bool{}
+			for rec := data[1:]; len(rec) >= 5 && len(touched) < 64; rec = rec[5:] {
+				x := binary.LittleEndian.Uint32(rec)
+				b := s.used[int(x/BlockSize)%len(s.used)]
+				img[b*BlockSize+uint64(x%BlockSize)] = rec[4]
+				touched[b] = true
+			}
+			if data[0]&1 == 1 {
+				for b := range touched {
+					s.resign(img, b)
+				}
+			}
+		}
+		err := writeAll(img)
+		if len(data) == 0 && err != nil {
+			t.Fatal(err)
+		}
+		if !clearError(err) && !errors.Is(err, ErrExists) && !errors.Is(err, ErrNoSpace) && !errors.Is(err, ErrNeedsCheck) {
+			t.Fatalf("unclear error: %v", err)
+		}
+	})
+}

@@ -2,6 +2,7 @@ package metadata
 
 import (
 	"encoding/binary"
+	"fmt"
 	"sort"
 )
 
@@ -150,7 +151,9 @@ func (w *Writer) shadow(blk uint64, valueSize int, kind valueKind) (wnode, error
 			}
 		}
 	}
-	w.decMeta(blk)
+	if err := w.decMeta(blk); err != nil {
+		return wnode{}, err
+	}
 	return n, nil
 }
 
@@ -158,7 +161,7 @@ func (w *Writer) shadow(blk uint64, valueSize int, kind valueKind) (wnode, error
 func (w *Writer) incValue(n wnode, i int, kind valueKind) error {
 	switch {
 	case !n.leaf() || kind == valueSubtree:
-		w.incMeta(n.child(i))
+		return w.incMeta(n.child(i))
 	case kind == valueMapping:
 		return w.incData(le64(n.value(i), 0) >> mappingTimeBits)
 	}
@@ -168,22 +171,30 @@ func (w *Writer) incValue(n wnode, i int, kind valueKind) error {
 // decTree drops one reference to the subtree at blk; the last one frees
 // it and drops the references its entries hold.
 func (w *Writer) decTree(blk uint64, valueSize int, kind valueKind) error {
-	if w.meta[blk] > 1 {
-		w.decMeta(blk)
-		return nil
+	return w.decTreeAt(blk, valueSize, kind, 0)
+}
+
+func (w *Writer) decTreeAt(blk uint64, valueSize int, kind valueKind, depth int) error {
+	if depth >= 2*maxDepth {
+		return fmt.Errorf("%w: btree deeper than %d levels", ErrCorrupt, 2*maxDepth)
+	}
+	if blk < uint64(len(w.meta)) && w.meta[blk] > 1 {
+		return w.decMeta(blk)
 	}
 	n, err := w.readNode(blk, valueSize)
 	if err != nil {
 		return err
 	}
-	w.decMeta(blk)
+	if err := w.decMeta(blk); err != nil {
+		return err
+	}
 	for i := 0; i < n.nr; i++ {
 		var err error
 		switch {
 		case !n.leaf:
-			err = w.decTree(n.child(i), valueSize, kind)
+			err = w.decTreeAt(n.child(i), valueSize, kind, depth+1)
 		case kind == valueSubtree:
-			err = w.decTree(le64(n.value(i), 0), mappingValueSize, valueMapping)
+			err = w.decTreeAt(le64(n.value(i), 0), mappingValueSize, valueMapping, depth+1)
 		case kind == valueMapping:
 			err = w.decData(le64(n.value(i), 0) >> mappingTimeBits)
 		}
@@ -305,7 +316,9 @@ func (w *Writer) btreeRemove(root, key uint64, vs int, kind valueKind) (newRoot 
 	// inherits the root's reference.
 	for !top.leaf() && top.nr() == 1 {
 		c := top.child(0)
-		w.decMeta(top.blk)
+		if err := w.decMeta(top.blk); err != nil {
+			return 0, nil, err
+		}
 		if top, err = w.shadow(c, vs, kind); err != nil {
 			return 0, nil, err
 		}
@@ -341,8 +354,7 @@ func (w *Writer) rebalance(n wnode, i, vs int, kind valueKind) error {
 	if l.nr()+r.nr() <= l.max() {
 		r.moveHead(r.nr(), l)
 		n.removeAt(li + 1)
-		w.decMeta(r.blk)
-		return nil
+		return w.decMeta(r.blk)
 	}
 	total := l.nr() + r.nr()
 	for l.nr() > total/2 {

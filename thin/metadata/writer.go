@@ -160,6 +160,9 @@ func OpenWriter(dev File, size int64) (*Writer, error) {
 		if err != nil {
 			return nil, err
 		}
+		if bm == 0 || bm >= nr {
+			return nil, fmt.Errorf("%w: metadata space map bitmap %d at block %d of %d", ErrCorrupt, i, bm, nr)
+		}
 		w.metaBitmaps = append(w.metaBitmaps, bm)
 	}
 	return w, nil
@@ -175,7 +178,13 @@ func (w *Writer) readNode(blk uint64, valueSize int) (node, error) {
 		if w.old == nil {
 			return node{}, fmt.Errorf("%w: block %d is not part of the pool", ErrCorrupt, blk)
 		}
-		return w.old.readNode(blk, valueSize, "btree")
+		n, err := w.old.readNode(blk, valueSize, "btree")
+		// The kernel and thin-provisioning-tools size every node alike;
+		// splits and merges rely on it.
+		if err == nil && n.max != maxEntries(n.valueSize) {
+			return node{}, fmt.Errorf("%w: btree node %d: max_entries %d, want %d", ErrCorrupt, blk, n.max, maxEntries(n.valueSize))
+		}
+		return n, err
 	}
 	n := wnode{blk: blk, b: f.b}
 	return node{b: f.b, blocknr: blk, leaf: n.leaf(), nr: n.nr(), max: n.max(), valueSize: n.valueSize()}, nil
@@ -221,12 +230,24 @@ func (w *Writer) allocMeta() (uint64, error) {
 	return 0, fmt.Errorf("%w: metadata device full (%d blocks)", ErrNoSpace, nr)
 }
 
-func (w *Writer) incMeta(b uint64) { w.meta[b]++ }
+// incMeta adds a reference to metadata block b.
+func (w *Writer) incMeta(b uint64) error {
+	if b == 0 || b >= uint64(len(w.meta)) {
+		return fmt.Errorf("%w: reference to metadata block %d of %d", ErrCorrupt, b, len(w.meta))
+	}
+	w.meta[b]++
+	return nil
+}
 
-func (w *Writer) decMeta(b uint64) {
+// decMeta drops a reference to metadata block b; the last one frees it.
+func (w *Writer) decMeta(b uint64) error {
+	if b == 0 || b >= uint64(len(w.meta)) || w.meta[b] == 0 {
+		return fmt.Errorf("%w: metadata block %d released with no references", ErrCorrupt, b)
+	}
 	if w.meta[b]--; w.meta[b] == 0 {
 		delete(w.fresh, b)
 	}
+	return nil
 }
 
 // oldBitmap returns committed data bitmap i.
@@ -434,7 +455,9 @@ func (w *Writer) CreateSnap(id, origin uint64) (err error) {
 		return err
 	}
 	defer w.keep(&err)
-	w.incMeta(root)
+	if err := w.incMeta(root); err != nil {
+		return err
+	}
 	if err := w.setDeviceRoot(id, root); err != nil {
 		return err
 	}
@@ -614,7 +637,9 @@ func (w *Writer) commitDataSpaceMap() error {
 				if blk, cur, err = w.newBitmap(ob); err != nil {
 					return err
 				}
-				w.decMeta(old)
+				if err := w.decMeta(old); err != nil {
+					return err
+				}
 			}
 		} else if blk, cur, err = w.newBitmap(nil); err != nil {
 			return err
@@ -678,7 +703,9 @@ func (w *Writer) commitMetadataSpaceMap() error {
 			return err
 		}
 		if w.metaIndex != 0 {
-			w.decMeta(w.metaIndex)
+			if err := w.decMeta(w.metaIndex); err != nil {
+				return err
+			}
 		}
 		w.metaIndex = blk
 		w.fresh[blk] = freshBlock{b: make([]byte, BlockSize), salt: indexCsumXor}
@@ -706,7 +733,9 @@ func (w *Writer) commitMetadataSpaceMap() error {
 				return err
 			}
 			if blk != 0 {
-				w.decMeta(blk)
+				if err := w.decMeta(blk); err != nil {
+					return err
+				}
 			}
 			w.metaBitmaps[i] = nb
 			again = true
