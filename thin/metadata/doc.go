@@ -39,10 +39,9 @@
 //
 // A snapshot shares its origin's level-2 root: both devices' level-1
 // values point at the same btree, whose reference count in the metadata
-// space map goes up by one, and every data block it maps gains a
-// reference in the data space map. Writes shadow (copy) the btree path
-// they change, so an old superblock still describes consistent metadata
-// until a commit writes the new one.
+// space map goes up by one; nothing else changes. A data block's count
+// is the number of leaves that map it, so blocks gain references only
+// when a write copies a shared leaf (see Transactions).
 //
 // A btree node:
 //
