@@ -83,7 +83,7 @@ func openSnapshot(typ string, open Opener, start, length Sector, args []string, 
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 	}
-	return &snapshotTarget{typ: typ, s: s, base: start.Bytes(), origin: originName, cow: cowName, devs: Flatten(s.Devices())}, nil
+	return &snapshotTarget{typ: typ, s: s, base: start.Bytes(), origin: originName, cow: cowName}, nil
 }
 
 // snapshotTarget is the snapshot and snapshot-merge targets: they differ
@@ -93,7 +93,6 @@ type snapshotTarget struct {
 	s           *snapshot.Snapshot
 	base        int64 // the line's start in bytes: its offset 0 is the device's base
 	origin, cow string
-	devs        []backing.Device
 }
 
 func (t *snapshotTarget) Type() string   { return t.typ }
@@ -110,10 +109,11 @@ func (t *snapshotTarget) Map(off, n int64, yield func(Extent) bool) bool {
 	return yield(Extent{Kind: KindMapped, Dev: t.s, Off: t.base + off, VOff: off, Len: n})
 }
 
-// Devices are the real devices below (COW and origin, with stacked
-// devices expanded), so that a flush syncs them, deduplicated with the
-// rest of the export; Snapshot.Sync itself syncs the COW.
-func (t *snapshotTarget) Devices() []backing.Device { return t.devs }
+// Devices are the COW and origin devices as opened, a mapped device among
+// them left as it is: a flush expands it then, so that it reaches the
+// devices its table maps at the time, not those it mapped when this line
+// was parsed. Snapshot.Sync itself syncs the COW.
+func (t *snapshotTarget) Devices() []backing.Device { return t.s.Devices() }
 
 // Activate and Deactivate follow the table's resume and suspend: a
 // handover destination takes its store, a merge starts or stops.

@@ -26,14 +26,13 @@ func newSnapshotOrigin(open Opener, start, length Sector, args []string) (Target
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrSnapshot, err)
 	}
-	return &originTarget{o: o, base: start.Bytes(), name: name, devs: Flatten(o.Devices())}, nil
+	return &originTarget{o: o, base: start.Bytes(), name: name}, nil
 }
 
 type originTarget struct {
 	o    *snapshot.Origin
 	base int64 // the line's start in bytes, as in snapshotTarget
 	name string
-	devs []backing.Device
 }
 
 func (t *originTarget) Type() string   { return "snapshot-origin" }
@@ -44,6 +43,7 @@ func (t *originTarget) Map(off, n int64, yield func(Extent) bool) bool {
 	return yield(Extent{Kind: KindMapped, Dev: t.o, Off: t.base + off, VOff: off, Len: n})
 }
 
-// Devices is the origin's real devices: copy-outs are synced to the COW
-// devices when committed, so only the origin needs a flush.
-func (t *originTarget) Devices() []backing.Device { return t.devs }
+// Devices is the origin device as opened (copy-outs are synced to the COW
+// devices when committed, so only the origin needs a flush). A mapped
+// origin is expanded per flush, as for snapshotTarget.
+func (t *originTarget) Devices() []backing.Device { return t.o.Devices() }
