@@ -2,6 +2,7 @@ package mapped
 
 import (
 	"errors"
+	"slices"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
@@ -21,8 +22,17 @@ func (m *Device) Name() string           { return table.MapperPrefix + m.name }
 func (m *Device) ID() backing.ID         { return m.id }
 func (m *Device) Limits() backing.Limits { return backing.Limits{Granularity: table.SectorSize} }
 
-// Devices lists the real devices below the active table.
-func (m *Device) Devices() []backing.Device { return m.devices(m.active.Load()) }
+// Devices lists the real devices below the active table, and those of
+// tables swapped out after their flush failed (see Device.unsynced): a
+// device stacked on this one flushes them too, and fails as this one's
+// Flush does.
+func (m *Device) Devices() []backing.Device {
+	devs := m.devices(m.active.Load())
+	if lost := m.unsyncedDevices(); lost != nil {
+		devs = append(slices.Clone(devs), lost...)
+	}
+	return devs
+}
 
 func (m *Device) ReadAt(p []byte, off int64) (int, error) {
 	if _, err := m.Read(p, off); err != nil {

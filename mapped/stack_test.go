@@ -2,11 +2,13 @@ package mapped_test
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
@@ -29,12 +31,18 @@ func (o memOpener) Open(name string) (backing.Device, error) {
 // sharing one flush and one discard engine.
 func parseSet(t testing.TB, devs memOpener, specs ...string) []*mapped.Device {
 	t.Helper()
+	return parseSetWith(t, flush.New(), devs, specs...)
+}
+
+// parseSetWith is parseSet with the flush engine f, which may track devs.
+func parseSetWith(t testing.TB, f *flush.Engine, devs memOpener, specs ...string) []*mapped.Device {
+	t.Helper()
 	var defs []table.Def
 	for _, s := range specs {
 		name, text, _ := strings.Cut(s, "=")
 		defs = append(defs, table.Def{Name: name, File: name + ".table", Text: strings.NewReader(text)})
 	}
-	f, d := flush.New(), discard.New()
+	d := discard.New()
 	mds, err := table.ParseSet(defs, devs, func(name string, t *table.Table) *mapped.Device { return mapped.New(name, t, f, d) })
 	if err != nil {
 		t.Fatal(err)
@@ -168,15 +176,7 @@ func TestStackedFlushAfterLowerReload(t *testing.T) {
 			a := backing.NewFaulty(backing.NewMem("a", 1<<20))
 			b := backing.NewFaulty(backing.NewMem("b", 1<<20))
 			devs := memOpener{"a": f.Track(a), "b": f.Track(b), "cow": f.Track(backing.NewMem("cow", 1<<20))}
-			var defs []table.Def
-			for _, s := range []string{"top=" + upper, "base=0 2048 linear a 0"} {
-				name, text, _ := strings.Cut(s, "=")
-				defs = append(defs, table.Def{Name: name, File: name + ".table", Text: strings.NewReader(text)})
-			}
-			mds, err := table.ParseSet(defs, devs, func(name string, t *table.Table) *mapped.Device { return mapped.New(name, t, f, discard.New()) })
-			if err != nil {
-				t.Fatal(err)
-			}
+			mds := parseSetWith(t, f, devs, "top="+upper, "base=0 2048 linear a 0")
 			top, base := mds[0], mds[1]
 			defer top.Close()
 			defer base.Close()
@@ -204,5 +204,36 @@ func TestStackedFlushAfterLowerReload(t *testing.T) {
 				t.Fatalf("a power cut after the flush loses %d writes on b (b synced %d times)", n, b.Syncs())
 			}
 		})
+	}
+}
+
+// A device stacked on /dev/mapper/base inherits base's doubt: once a
+// reload of base swapped a table out after its flush failed, every flush
+// of base fails, and so must every flush of the device above, which
+// reaches the same writes.
+func TestStackedFlushKeepsLowerUnsynced(t *testing.T) {
+	f := flush.New()
+	x := backing.NewFaulty(backing.NewMem("x", 1<<20))
+	devs := memOpener{"x": f.Track(x), "y": f.Track(backing.NewMem("y", 1<<20))}
+	mds := parseSetWith(t, f, devs, "top=0 2048 linear /dev/mapper/base 0", "base=0 2048 linear x 0")
+	top, base := mds[0], mds[1]
+	defer top.Close()
+	defer base.Close()
+	if err := top.Write([]byte("acknowledged"), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	base.Load(mustParse(t, "0 2048 linear y 0\n", devs))
+	x.FailSync(syscall.EIO)
+	if _, err := base.Resume(); err == nil {
+		t.Fatal("a resume whose suspend could not flush the old table succeeded")
+	}
+	if swapped, err := base.Resume(); !swapped || err != nil {
+		t.Fatalf("second resume: swapped %v, %v", swapped, err)
+	}
+	if err := base.Flush(); !errors.Is(err, flush.ErrSyncFailed) {
+		t.Fatalf("base flush: %v, want %v", err, flush.ErrSyncFailed)
+	}
+	if err := top.Flush(); !errors.Is(err, flush.ErrSyncFailed) {
+		t.Fatalf("top flush: %v, want %v: the write acknowledged through top may be lost (%d writes a crash would lose)", err, flush.ErrSyncFailed, x.Crash())
 	}
 }
