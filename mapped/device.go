@@ -181,7 +181,8 @@ func (m *Device) ClearInactive() {
 
 // Suspend stops admitting requests, waits for those in flight, and
 // flushes every device below, as dm's suspend does; new requests wait
-// until Resume. Suspending a suspended device does nothing. Background
+// until Resume. Suspending a suspended device does nothing, unless the
+// flush of its suspend failed: then it flushes again. Background
 // work of the table's targets (a snapshot-merge's merge) stops first, as
 // in dm's presuspend, after the step in progress.
 func (m *Device) Suspend() error {
@@ -197,7 +198,13 @@ func (m *Device) suspend() error {
 		return ErrClosed
 	}
 	if m.suspended {
+		retry := m.flushFailed
 		m.mu.Unlock()
+		if retry {
+			// Suspended, but the writes before it are not durable:
+			// the caller asks again whether they are.
+			return m.flushSuspended()
+		}
 		return nil
 	}
 	m.mu.Unlock()
@@ -217,6 +224,11 @@ func (m *Device) suspend() error {
 	m.since = time.Now()
 	m.st.suspends++
 	m.mu.Unlock()
+	return m.flushSuspended()
+}
+
+// flushSuspended is the flush of a suspend, recording whether it failed.
+func (m *Device) flushSuspended() error {
 	err := m.flush.Flush(m.devices(m.active.Load()))
 	m.mu.Lock()
 	m.flushFailed = err != nil

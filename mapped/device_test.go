@@ -238,3 +238,26 @@ func TestFailedSuspendFlushOutlivesReload(t *testing.T) {
 		}
 	}
 }
+
+// A suspend whose flush failed has not made the device's writes durable;
+// suspending again retries the flush rather than reporting success because
+// the device is already suspended.
+func TestRetriedSuspendRetriesFlush(t *testing.T) {
+	f := flush.New()
+	x := backing.NewFaulty(backing.NewMem("x", 1<<20))
+	d := mapped.New("d", mustParse(t, "0 2048 linear x 0\n", memOpener{"x": f.Track(x)}), f, discard.New())
+	defer d.Close()
+	if err := d.Write([]byte("acknowledged"), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	x.FailSync(syscall.EIO)
+	if err := d.Suspend(); err == nil {
+		t.Fatal("a suspend whose flush failed succeeded")
+	}
+	if err := d.Suspend(); err == nil {
+		t.Fatalf("a retried suspend succeeded with its flush failing (%d writes a crash would lose)", x.Crash())
+	}
+	if !d.Info().Suspended {
+		t.Fatal("the device resumed by itself")
+	}
+}
