@@ -65,7 +65,9 @@ type Server struct {
 	// Create makes the device NAME with table t and serves it; Remove
 	// stops serving it (force: even with clients connected, which are
 	// disconnected once their requests in flight are answered) and closes
-	// it. Without them, create and remove are refused.
+	// it. Once Remove has closed the device its name is gone, even if it
+	// returns the close's error. Without them, create and remove are
+	// refused.
 	Create func(name string, t *table.Table) (*mapped.Device, error)
 	Remove func(name string, force bool) error
 	// Open opens the device paths of reloaded tables (the serve command's
@@ -258,14 +260,22 @@ func (s *Server) remove(name string, force bool) error {
 	if err := s.removable(name); err != nil {
 		return err
 	}
+	d := s.Device(name)
 	// Without s.mu: Remove waits for the device's clients, and a client's
 	// request held by a suspend goes on only once a resume comes.
-	if err := s.Remove(name, force); err != nil {
-		return err
+	err := s.Remove(name, force)
+	if err != nil && !d.Closed() {
+		return err // still served: refused, or the clients did not go
 	}
+	// Closed, even if the close failed (a disk that could not be synced
+	// on its last release): the name goes with it, or every later
+	// request would find a device that is neither served nor usable.
 	s.mu.Lock()
 	delete(s.Devices, name)
 	s.mu.Unlock()
+	if err != nil {
+		return fmt.Errorf("%s: removed, but closing it failed: %w", name, err)
+	}
 	return nil
 }
 

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -167,5 +168,63 @@ func TestIdleClientClosed(t *testing.T) {
 	c.SetReadDeadline(time.Now().Add(nbdtest.Bound))
 	if n, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Fatalf("an idle client: read %d bytes, %v; want the connection closed", n, err)
+	}
+}
+
+// A remove whose close fails (the last release of the disk cannot sync
+// it) reports the error, but the device is gone all the same: it was no
+// longer served, so keeping its name would wedge it (ls listing it, create
+// refusing it, suspend saying it is closed, remove saying it does not
+// exist).
+func TestRemoveWhoseCloseFailsFreesTheName(t *testing.T) {
+	dir := t.TempDir()
+	disk := sparse.Create(t, filepath.Join(dir, "disk.img"), 1<<20)
+	var faulty []*backing.Faulty
+	pool := &backing.Pool{Wrap: func(d backing.Device) backing.Device {
+		f := backing.NewFaulty(d)
+		faulty = append(faulty, f)
+		return f
+	}}
+	t.Cleanup(func() { pool.Close() })
+	f, dc := flush.New(), discard.New()
+	tb, err := table.Parse("x", strings.NewReader("0 2048 linear "+disk+" 0\n"), pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := mapped.New("x", tb, f, dc)
+	var served []string
+	s := &control.Server{Devices: map[string]*mapped.Device{"x": x}, Open: pool,
+		Create: func(name string, tb *table.Table) (*mapped.Device, error) {
+			served = append(served, name)
+			return mapped.New(name, tb, f, dc), nil
+		},
+	}
+	// As serve's: stop serving it (nothing serves it here), then close it.
+	s.Remove = func(name string, force bool) error { return s.Device(name).Close() }
+	if err := x.Write([]byte("data"), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	faulty[0].FailSync(syscall.EIO)
+	if _, err := s.Do(control.Request{Op: "remove", Name: "x"}); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("remove: %v, want the close's %v", err, syscall.EIO)
+	}
+	if out, _ := s.Do(control.Request{Op: "ls"}); out != "" {
+		t.Fatalf("ls after the remove: %q", out)
+	}
+	if _, err := s.Do(control.Request{Op: "suspend", Name: "x"}); !errors.Is(err, control.ErrNoDevice) && (err == nil || !strings.Contains(err.Error(), control.ErrNoDevice.Error())) {
+		t.Fatalf("suspend after the remove: %v, want %v", err, control.ErrNoDevice)
+	}
+	tf := filepath.Join(dir, "x.table")
+	if err := os.WriteFile(tf, []byte("0 2048 linear "+disk+" 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Do(control.Request{Op: "create", Name: "x", File: tf}); err != nil {
+		t.Fatalf("create after the remove: %v", err)
+	}
+	if len(served) != 1 || s.Device("x") == nil || s.Device("x") == x {
+		t.Fatalf("create served %v, device %p (old %p)", served, s.Device("x"), x)
+	}
+	if _, err := s.Do(control.Request{Op: "remove", Name: "x"}); err != nil {
+		t.Fatalf("removing the new x: %v", err)
 	}
 }

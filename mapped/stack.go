@@ -101,6 +101,14 @@ func (m *Device) Holes(off, n int64) ([]backing.Range, error) {
 	return out, err
 }
 
+// Closed reports whether Close has been called, whether or not it
+// succeeded: the device serves nothing after.
+func (m *Device) Closed() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.closed
+}
+
 // Close closes the active and any inactive table (a snapshot's
 // registration with its origin, its claim on the COW device). The devices
 // below belong to whoever opened them. A Suspend or Resume in progress
