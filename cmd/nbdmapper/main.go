@@ -293,7 +293,7 @@ func runServe(args []string) error {
 	fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "control" })
 	ctl, stopControl, err := startControl(sf.control, explicit, ls.control, log, devs, pool, srv, func(name string, t *table.Table) (*mapped.Device, error) {
 		d := newDevice(name, t)
-		x := &nbdtarget.Export{Name: name, Description: lf.descriptions[name], Dev: d, ReadOnly: sf.readOnly}
+		x := &nbdtarget.Export{Name: name, Description: lf.descriptions[name], Dev: d, ReadOnly: sf.readOnly, Access: tf.access(name)}
 		if err := srv.AddExport(x); err != nil {
 			return nil, err
 		}

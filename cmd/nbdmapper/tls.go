@@ -63,10 +63,7 @@ func (f *tlsFlags) apply(srv *nbdtarget.Server, exports []*nbdtarget.Export) (ce
 		}
 	}
 	for _, x := range exports {
-		rw, ro := f.allow.m[x.Name], f.allowRO.m[x.Name]
-		if rw != nil || ro != nil {
-			x.Access = &nbdtarget.Access{ReadWrite: rw, ReadOnly: ro}
-		}
+		x.Access = f.access(x.Name)
 	}
 	srv.TLS = mode
 	if mode == nbdtarget.TLSOff {
@@ -78,6 +75,17 @@ func (f *tlsFlags) apply(srv *nbdtarget.Server, exports []*nbdtarget.Export) (ce
 	}
 	srv.TLSConfig = certs.Config()
 	return certs, nil
+}
+
+// access is who --allow and --allow-ro let use the export name, or nil
+// (anyone). Every export gets it when it is made: at start-up, by
+// `nbdmapper create` and by a rescan of --tables.
+func (f *tlsFlags) access(name string) *nbdtarget.Access {
+	rw, ro := f.allow.m[name], f.allowRO.m[name]
+	if rw == nil && ro == nil {
+		return nil
+	}
+	return &nbdtarget.Access{ReadWrite: rw, ReadOnly: ro}
 }
 
 // accessFlag collects repeated EXPORT=ID[,ID...] values.

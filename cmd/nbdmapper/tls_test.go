@@ -306,3 +306,43 @@ basic_auth_users:
 	}
 	s.Stop(t)
 }
+
+// TestAccessOutlivesRecreate removes an export restricted by --allow and
+// creates it again through the control socket: the new device is the same
+// export name, and --allow applies to it as it did at start-up, both to
+// plaintext clients (--tls on) and to other certificates of the CA.
+func TestAccessOutlivesRecreate(t *testing.T) {
+	nbdtest.Tool(t, "nbdinfo")
+	dir := t.TempDir()
+	sparse.Create(t, filepath.Join(dir, "d.img"), 1<<20)
+	table := filepath.Join(dir, "d.table")
+	os.WriteFile(table, []byte("0 2048 linear d.img 0\n"), 0o644)
+	p := newPKI(t, "alice", "mallory")
+	ctl := filepath.Join(dir, "control")
+	args := append(append([]string{"--metrics", "off", "--control", ctl, "--tls", "on", "--allow", "d=alice"}, p.tlsArgs()...), "d=d.table")
+	s := nbdtest.Start(t, bin, dir, args...)
+	uri := func(who string) string {
+		return "nbds+unix:///d?socket=" + s.Socket + "&tls-certificates=" + p.clients[who]
+	}
+	check := func(when string) {
+		t.Helper()
+		for _, tc := range []struct {
+			who, uri string
+			ok       bool
+		}{
+			{"alice", uri("alice"), true},
+			{"mallory", uri("mallory"), false},
+			{"a plaintext client", s.URI("d"), false},
+		} {
+			out, err := exec.Command("nbdinfo", "--size", tc.uri).CombinedOutput()
+			if (err == nil) != tc.ok {
+				t.Errorf("%s: %s may use d: %v, want %v\n%s", when, tc.who, err == nil, tc.ok, out)
+			}
+		}
+	}
+	check("at start-up")
+	lifecycle(t, ctl, "remove", "d")
+	lifecycle(t, ctl, "create", "d", table)
+	check("created again")
+	s.Stop(t)
+}
