@@ -108,20 +108,26 @@ func (m *Device) Table() *table.Table { return m.active.Load().t }
 func (m *Device) Size() int64 { return m.active.Load().t.Size() }
 
 // enter admits one request and returns the table it runs on; exit must
-// follow. While the device is suspended the request waits here.
-func (m *Device) enter() *live {
+// follow. While the device is suspended the request waits here; if the
+// device is closed meanwhile (serve's shutdown, which no resume will
+// follow) it fails with ErrClosed and exit must not follow.
+func (m *Device) enter() (*live, error) {
 	for {
 		m.inFlight.Add(1)
 		if !m.holding.Load() {
-			return m.active.Load()
+			return m.active.Load(), nil
 		}
 		m.exit()
 		m.held.Add(1)
 		m.mu.Lock()
-		for m.holding.Load() {
+		for m.holding.Load() && !m.closed {
 			m.changed.Wait()
 		}
+		closed := m.closed
 		m.mu.Unlock()
+		if closed {
+			return nil, ErrClosed
+		}
 	}
 }
 
@@ -139,7 +145,10 @@ func (m *Device) exit() {
 // table it got: the protocol edge validated [off, off+n) against the size
 // it saw then, and a reload may have shrunk the device since.
 func (m *Device) admit(off, n int64) (*live, error) {
-	l := m.enter()
+	l, err := m.enter()
+	if err != nil {
+		return nil, err
+	}
 	if size := l.t.Size(); off < 0 || n < 0 || off > size || n > size-off {
 		m.exit()
 		return nil, fmt.Errorf("%w: [%d, %d) of %d bytes", ErrBeyondEnd, off, off+n, size)

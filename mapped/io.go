@@ -323,7 +323,10 @@ func (m *Device) Splice(pipe int, off, n int64, head []byte) (ok bool, failed in
 
 // Flush makes every write completed before the call durable.
 func (m *Device) Flush() error {
-	l := m.enter()
+	l, err := m.enter()
+	if err != nil {
+		return err
+	}
 	defer m.exit()
 	if m.PerSegmentFlush {
 		var each []backing.Device

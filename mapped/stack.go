@@ -113,9 +113,15 @@ func (m *Device) Closed() bool {
 // registration with its origin, its claim on the COW device). The devices
 // below belong to whoever opened them. A Suspend or Resume in progress
 // finishes first, unless it is still waiting for requests in flight:
-// that one, and any later, fails with ErrClosed.
+// that one, and any later, fails with ErrClosed. Requests held by a
+// suspend fail with ErrClosed: no resume can release them now. Closing a
+// closed device does nothing.
 func (m *Device) Close() error {
 	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil
+	}
 	m.closed = true
 	m.changed.Broadcast() // a Suspend waiting for requests in flight gives up
 	m.mu.Unlock()

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -14,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -410,4 +412,41 @@ func mergeFinished(t *testing.T, status string) bool {
 		t.Fatalf("status %q: %v", status, err)
 	}
 	return alloc == meta
+}
+
+// A suspended device holds its clients' requests until a resume, which
+// does not come at SIGTERM: serve then fails the held requests once
+// --shutdown-timeout has passed, syncs the devices as usual, and exits 1
+// naming the suspended device, rather than waiting for the requests for
+// good (systemd would kill it, unsynced and saying nothing).
+func TestShutdownWithHeldRequest(t *testing.T) {
+	dir := t.TempDir()
+	sparse.Create(t, filepath.Join(dir, "d.img"), 1<<20)
+	writeFile(t, filepath.Join(dir, "d.table"), "0 2048 linear d.img 0\n")
+	ctl := filepath.Join(dir, "control")
+	s := nbdtest.Start(t, bin, dir, "--metrics", "off", "--control", ctl, "--shutdown-timeout", "1s", "d=d.table")
+	nbdsh(t, s.URI("d"), "h.pwrite(b'w' * 4096, 0)")
+	lifecycle(t, ctl, "suspend", "d")
+	held := nbdtest.Nbdsh(t, "-u", s.URI("d"), "-c", "h.pread(4096, 0)")
+	if err := held.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer held.Process.Kill()
+	nbdtest.Until(t, "the read to be held", func() bool {
+		return strings.Contains(lifecycle(t, ctl, "info", "d"), "Requests held:     1\n")
+	})
+	s.Signal(syscall.SIGTERM)
+	exited := make(chan error, 1)
+	go func() { exited <- s.Wait() }()
+	err := nbdtest.Recv(t, exited, "serve to exit after SIGTERM with a held request")
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+		t.Fatalf("serve after SIGTERM: %v, want exit status 1\n%s", err, s.Stderr())
+	}
+	if logs := s.Stderr(); !strings.Contains(logs, "suspended device d") {
+		t.Errorf("the exit does not name the suspended device:\n%s", logs)
+	}
+	if err := held.Wait(); err == nil {
+		t.Error("the held read succeeded on a device that was never resumed")
+	}
 }

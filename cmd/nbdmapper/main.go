@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
+	"strings"
 	"syscall"
 	"time"
 
@@ -340,21 +341,56 @@ func runServe(args []string) error {
 		log.Error("listener failed: shutting down", "err", failed)
 	}
 	systemd.stopping()
+	held := shutdown(srv, sf.stopTimeout, log)
 	ctx, cancel := context.WithTimeout(context.Background(), sf.stopTimeout)
-	defer cancel()
-	if err := srv.Shutdown(ctx); err != nil {
-		log.Error("shutdown", "err", err)
-	}
-	ctx, cancel = context.WithTimeout(context.Background(), sf.stopTimeout)
 	defer cancel()
 	synced := pool.Sync(ctx)
 	closeDevices = !errors.Is(synced, context.DeadlineExceeded)
 	logStats(log, flusher, discarder)
 	logRemoteStats(log, remotes)
-	if synced != nil {
-		return synced
+	return errors.Join(synced, held, failed)
+}
+
+// shutdown stops srv, waiting up to timeout for the requests in flight.
+// A request held by a suspended device would wait for a resume that no one
+// will send now: after timeout the suspended devices are closed, which
+// fails their held requests, and shutdown returns an error naming them.
+// It waits for the connections to end at most timeout more: a request
+// stuck in a device below is left to the exit (the final sync, bounded
+// the same way, names that device).
+func shutdown(srv *nbdtarget.Server, timeout time.Duration, log *slog.Logger) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- srv.Shutdown(ctx) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			log.Error("shutdown", "err", err)
+		}
+		return nil
+	case <-ctx.Done():
 	}
-	return failed
+	var names []string
+	for _, x := range srv.ExportList() {
+		if in := x.Dev.Info(); in.Suspended {
+			log.Error("shutdown: failing the requests a suspended device holds", "device", in.Name)
+			names = append(names, in.Name)
+			x.Dev.Close()
+		}
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			log.Error("shutdown", "err", err)
+		}
+	case <-time.After(timeout):
+		log.Error("shutdown: connections still running requests; exiting without them")
+	}
+	if names == nil {
+		return nil
+	}
+	return fmt.Errorf("shutdown: requests held by suspended device %s failed: no resume came within --shutdown-timeout", strings.Join(names, ", "))
 }
 
 // handleHUP runs every action on each SIGHUP, in order, until stop is
