@@ -43,8 +43,9 @@ func (id ID) String() string {
 func major(dev uint64) uint64 { return ((dev >> 32) & 0xfffff000) | ((dev >> 8) & 0xfff) }
 func minor(dev uint64) uint64 { return ((dev >> 12) & 0xffffff00) | (dev & 0xff) }
 
-// Limits describes how a device wants discards shaped. A discard engine cuts
-// ranges inward to Granularity and splits them at MaxBytes.
+// Limits describes how a device wants discards shaped, and what a request
+// holds inside it. A discard engine cuts ranges inward to Granularity and
+// splits them at MaxBytes.
 type Limits struct {
 	Granularity int64 // discard alignment and minimum size in bytes; >= 1
 	MaxBytes    int64 // largest single discard call in bytes; 0 means no limit
@@ -52,6 +53,10 @@ type Limits struct {
 	// zeros and its whole blocks unallocated (a regular file's PUNCH_HOLE,
 	// a Mem's pages), so that a HoleMap may count them as holes.
 	DiscardZeroes bool
+	// RequestMemory is the most memory one request holds inside the
+	// device beyond the caller's buffer (a remote's unaligned head and
+	// tail blocks), for the server to charge to its memory budget.
+	RequestMemory int64
 }
 
 // Range is a byte range [Off, Off+Len) on one device.

@@ -64,6 +64,19 @@ type live struct {
 	t       *table.Table
 	devs    []backing.Device // the real devices below, each once
 	stacked bool             // some are mapped devices: flatten per flush
+	// mem is the most one request holds in the table's targets and its
+	// devices beyond its own buffer (their RequestMemory, summed over the
+	// layers a request crosses); below are the mapped devices it is
+	// stacked on, whose own share is asked per request, as their tables
+	// may change.
+	mem   int64
+	below []*Device
+}
+
+// requestMemory is implemented by targets that hold memory for a request
+// beyond its buffer: the snapshot targets' copy buffers.
+type requestMemory interface {
+	RequestMemory() int64
 }
 
 type counters struct {
@@ -90,12 +103,35 @@ func New(name string, t *table.Table, f *flush.Engine, d *discard.Engine) *Devic
 func newLive(t *table.Table) *live {
 	devs := t.Devices()
 	l := &live{t: t, devs: table.Flatten(devs)}
-	for _, d := range devs {
-		if _, ok := d.(*Device); ok {
-			l.stacked = true
+	var targets, devices int64
+	for _, ln := range t.Lines {
+		if r, ok := ln.Target.(requestMemory); ok {
+			targets = max(targets, r.RequestMemory())
 		}
 	}
+	for _, d := range devs {
+		if md, ok := d.(*Device); ok {
+			l.stacked = true
+			l.below = append(l.below, md)
+			continue
+		}
+		devices = max(devices, d.Limits().RequestMemory)
+	}
+	l.mem = targets + devices
 	return l
+}
+
+// RequestMemory is the most memory one request holds below the device
+// beyond its own buffer: a snapshot's copy buffer, a remote's head and
+// tail blocks, at every layer of a stack. The server charges it to its
+// memory budget with the request. It follows reloads, here and below.
+func (m *Device) RequestMemory() int64 {
+	l := m.active.Load()
+	var below int64
+	for _, d := range l.below {
+		below = max(below, d.RequestMemory())
+	}
+	return l.mem + below
 }
 
 // DeviceName is the device's name without /dev/mapper/.

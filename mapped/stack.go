@@ -18,9 +18,11 @@ import (
 // the real devices rather than this one.
 var _ backing.Device = (*Device)(nil)
 
-func (m *Device) Name() string           { return table.MapperPrefix + m.name }
-func (m *Device) ID() backing.ID         { return m.id }
-func (m *Device) Limits() backing.Limits { return backing.Limits{Granularity: table.SectorSize} }
+func (m *Device) Name() string   { return table.MapperPrefix + m.name }
+func (m *Device) ID() backing.ID { return m.id }
+func (m *Device) Limits() backing.Limits {
+	return backing.Limits{Granularity: table.SectorSize, RequestMemory: m.RequestMemory()}
+}
 
 // Devices lists the real devices below the active table, and those of
 // tables swapped out after their flush failed (see Device.unsynced): a

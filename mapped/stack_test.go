@@ -15,6 +15,7 @@ import (
 	"github.com/nbdmapper/nbdmapper/discard"
 	"github.com/nbdmapper/nbdmapper/flush"
 	"github.com/nbdmapper/nbdmapper/mapped"
+	"github.com/nbdmapper/nbdmapper/snapshot"
 	"github.com/nbdmapper/nbdmapper/table"
 )
 
@@ -235,5 +236,29 @@ func TestStackedFlushKeepsLowerUnsynced(t *testing.T) {
 	}
 	if err := top.Flush(); !errors.Is(err, flush.ErrSyncFailed) {
 		t.Fatalf("top flush: %v, want %v: the write acknowledged through top may be lost (%d writes a crash would lose)", err, flush.ErrSyncFailed, x.Crash())
+	}
+}
+
+// A request holds a copy buffer below an export with a snapshot-origin,
+// also when the origin line is in a device below it, loaded by a reload.
+func TestRequestMemoryFollowsStackAndReload(t *testing.T) {
+	devs := memOpener{"disk": backing.NewMem("disk", 1<<20), "cow": backing.NewMem("cow", 1<<20)}
+	mds := parseSet(t, devs, "top=0 2048 linear /dev/mapper/base 0", "base=0 2048 linear disk 0", "snap=0 2048 snapshot disk cow N 8")
+	top, base := mds[0], mds[1]
+	defer top.Close()
+	defer base.Close()
+	defer mds[2].Close()
+	if got := top.RequestMemory(); got != 0 {
+		t.Fatalf("linear over linear: %d bytes", got)
+	}
+	if got := mds[2].RequestMemory(); got != snapshot.CopyMemory {
+		t.Fatalf("snapshot: %d bytes, want %d", got, snapshot.CopyMemory)
+	}
+	base.Load(mustParse(t, "0 2048 snapshot-origin disk\n", devs))
+	if _, err := base.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	if got := top.RequestMemory(); got != snapshot.CopyMemory {
+		t.Fatalf("linear over a reloaded snapshot-origin: %d bytes, want %d", got, snapshot.CopyMemory)
 	}
 }

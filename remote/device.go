@@ -113,9 +113,10 @@ type Device struct {
 	// What the first handshake found; reconnections must find the same.
 	x        Export
 	size     int64
-	minBlock int64 // requests are aligned to it
-	maxIO    int64 // longest READ or WRITE
-	maxLen   int64 // longest TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS
+	minBlock int64     // requests are aligned to it
+	blocks   sync.Pool // *[]byte of minBlock bytes, for heads and tails
+	maxIO    int64     // longest READ or WRITE
+	maxLen   int64     // longest TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS
 	tick     time.Duration
 
 	live    atomic.Pointer[[]*conn] // the connections up now
@@ -667,9 +668,9 @@ func (d *Device) URI() string { return d.id.URI }
 
 // Limits are the remote's: trims aligned to its minimum block size and no
 // longer than its maximum (or 4 GiB less 4 KiB, NBD's 32-bit length, when it
-// states none).
+// states none). A request holds up to two of its blocks here.
 func (d *Device) Limits() backing.Limits {
-	return backing.Limits{Granularity: d.minBlock, MaxBytes: d.maxLen}
+	return backing.Limits{Granularity: d.minBlock, MaxBytes: d.maxLen, RequestMemory: d.requestMemory()}
 }
 
 func (d *Device) writable() error {

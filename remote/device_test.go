@@ -204,7 +204,7 @@ func TestBlockSizeLimits(t *testing.T) {
 	k := startNbdkit(t, dir, "k", "--filter=blocksize-policy", "file", file,
 		"blocksize-minimum=4096", "blocksize-preferred=4096", "blocksize-maximum=64K", "blocksize-error-policy=error")
 	d := openURI(t, k.URI(""), testOptions(t))
-	if d.minBlock != 4096 || d.maxIO != 64<<10 || d.Limits() != (backing.Limits{Granularity: 4096, MaxBytes: 64 << 10}) {
+	if d.minBlock != 4096 || d.maxIO != 64<<10 || d.Limits() != (backing.Limits{Granularity: 4096, MaxBytes: 64 << 10, RequestMemory: 2 * 4096}) {
 		t.Fatalf("min %d, max io %d, limits %+v", d.minBlock, d.maxIO, d.Limits())
 	}
 	model := readFile(t, file, 0, size)

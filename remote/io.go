@@ -3,7 +3,6 @@ package remote
 import (
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -154,15 +153,26 @@ func (d *Device) check(off, n int64) error {
 	return nil
 }
 
-var blockPool sync.Pool // *[]byte of wire.MaxMinBlock bytes, for heads and tails
-
-func getBlock(n int64) (*[]byte, []byte) {
-	bp, _ := blockPool.Get().(*[]byte)
+// getBlock returns a buffer of the remote's minimum block, for a head or
+// tail, from the device's own pool: a remote with 512-byte blocks holds
+// 512 bytes per part, as RequestMemory says, not wire.MaxMinBlock.
+func (d *Device) getBlock() (*[]byte, []byte) {
+	bp, _ := d.blocks.Get().(*[]byte)
 	if bp == nil {
-		b := make([]byte, wire.MaxMinBlock)
+		b := make([]byte, d.minBlock)
 		bp = &b
 	}
-	return bp, (*bp)[:n]
+	return bp, *bp
+}
+
+// requestMemory is the most one request holds here beyond its own buffer
+// (Limits.RequestMemory): the blocks of an unaligned head and tail, read
+// at once.
+func (d *Device) requestMemory() int64 {
+	if d.minBlock <= 1 {
+		return 0
+	}
+	return 2 * d.minBlock
 }
 
 func (d *Device) ReadAt(p []byte, off int64) (n int, err error) {
@@ -202,8 +212,8 @@ func (d *Device) ReadAt(p []byte, off int64) (n int, err error) {
 // of the whole block.
 func (d *Device) readPart(dst []byte, off int64) error {
 	blk := off / d.minBlock * d.minBlock
-	bp, b := getBlock(d.minBlock)
-	defer blockPool.Put(bp)
+	bp, b := d.getBlock()
+	defer d.blocks.Put(bp)
 	if err := d.rw(wire.CmdRead, 0, piece{off: blk, n: d.minBlock, buf: b}); err != nil {
 		return err
 	}
@@ -216,8 +226,8 @@ func (d *Device) readPart(dst []byte, off int64) error {
 // exclusively by the caller.
 func (d *Device) writePart(src []byte, off, n int64, flags uint16) error {
 	blk := off / d.minBlock * d.minBlock
-	bp, b := getBlock(d.minBlock)
-	defer blockPool.Put(bp)
+	bp, b := d.getBlock()
+	defer d.blocks.Put(bp)
 	if err := d.rw(wire.CmdRead, 0, piece{off: blk, n: d.minBlock, buf: b}); err != nil {
 		return err
 	}

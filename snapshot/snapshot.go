@@ -391,6 +391,12 @@ func (s *Snapshot) copyOrigin(to, from, n int64) error {
 // holds at once, whatever the chunk size.
 const copyBuffer = 256 << 10
 
+// CopyMemory is what one request holds here beyond its own buffer while
+// it copies a chunk (a first write's fill, an origin's copy-outs, which
+// run one at a time): one copy buffer. The server charges it to the
+// memory budget of every request of an export with snapshot targets.
+const CopyMemory = copyBuffer
+
 var copyPool = sync.Pool{New: func() any { b := make([]byte, copyBuffer); return &b }}
 
 // copyRange copies n bytes from src at from to dst at to.

@@ -115,6 +115,10 @@ func (t *snapshotTarget) Map(off, n int64, yield func(Extent) bool) bool {
 // was parsed. Snapshot.Sync itself syncs the COW.
 func (t *snapshotTarget) Devices() []backing.Device { return t.s.Devices() }
 
+// RequestMemory is the copy buffer a first write holds (see
+// snapshot.CopyMemory).
+func (t *snapshotTarget) RequestMemory() int64 { return snapshot.CopyMemory }
+
 // Activate and Deactivate follow the table's resume and suspend: a
 // handover destination takes its store, a merge starts or stops.
 func (t *snapshotTarget) Activate()   { t.s.Activate() }

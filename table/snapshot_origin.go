@@ -47,3 +47,7 @@ func (t *originTarget) Map(off, n int64, yield func(Extent) bool) bool {
 // devices when committed, so only the origin needs a flush). A mapped
 // origin is expanded per flush, as for snapshotTarget.
 func (t *originTarget) Devices() []backing.Device { return t.o.Devices() }
+
+// RequestMemory is the copy buffer a write's copy-outs hold (see
+// snapshot.CopyMemory).
+func (t *originTarget) RequestMemory() int64 { return snapshot.CopyMemory }
