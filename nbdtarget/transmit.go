@@ -574,17 +574,20 @@ const (
 )
 
 // cost is the memory request r may hold while it runs: its payload or read
-// buffer (one streamPiece for longer ones) or its working set. It never
-// depends on what the client asks for beyond MaxPayload.
-func cost(r *wire.Request) int64 {
+// buffer (one streamPiece for longer ones) or its working set, and below
+// the export (the device's RequestMemory: snapshot copy buffers, remote
+// head and tail blocks) what the data commands hold there. It never
+// depends on what the client asks for beyond MaxPayload, and is at most
+// maxCost.
+func cost(r *wire.Request, below int64) int64 {
 	switch r.Type {
 	case wire.CmdRead, wire.CmdWrite:
 		if r.Length > MaxPayload {
-			return requestBase + streamPiece
+			return min(requestBase+streamPiece+below, maxCost)
 		}
-		return requestBase + int64(r.Length)
+		return min(requestBase+int64(r.Length)+below, maxCost)
 	case wire.CmdTrim, wire.CmdWriteZeroes, wire.CmdCache:
-		return requestBase + walkCost
+		return min(requestBase+walkCost+below, maxCost)
 	case wire.CmdBlockStatus:
 		return requestBase + blockStatusCost
 	}
@@ -691,8 +694,9 @@ const payloadFirst = 1 << 20
 // connection holding part of what the others wait for.
 func (c *conn) readPayload(j *job) error {
 	r := &j.req
+	below := c.x.Dev.RequestMemory() // once: a reload may change it
 	if r.Type != wire.CmdWrite || r.Length <= payloadFirst {
-		if err := c.charge(j, cost(r)); err != nil {
+		if err := c.charge(j, cost(r, below)); err != nil {
 			return err
 		}
 		if r.Type != wire.CmdWrite || r.Length == 0 {
@@ -702,7 +706,7 @@ func (c *conn) readPayload(j *job) error {
 		return c.readFull(j, j.buf)
 	}
 	if r.Length > MaxPayload {
-		if err := c.charge(j, cost(r)); err != nil {
+		if err := c.charge(j, cost(r, below)); err != nil {
 			return err
 		}
 		j.setBuf(streamPiece)
@@ -715,7 +719,7 @@ func (c *conn) readPayload(j *job) error {
 	if err := c.readFull(j, j.buf); err != nil {
 		return err
 	}
-	if !c.tryCharge(j, cost(r)-j.cost) {
+	if !c.tryCharge(j, cost(r, below)-j.cost) {
 		return c.writeStream(j, payloadFirst)
 	}
 	first := j.bufp

@@ -12,6 +12,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -442,5 +444,62 @@ func TestLimitFlagsApply(t *testing.T) {
 		if s.Memory != tc.mem || s.ExportMemory != tc.perExpo {
 			t.Errorf("%v: Memory %d ExportMemory %d, want %d and %d", tc.args, s.Memory, s.ExportMemory, tc.mem, tc.perExpo)
 		}
+	}
+}
+
+// A snapshot-origin's copy-out holds a copy buffer (up to 256 KiB) while
+// it reads the origin, which may hang: here the origin is a suspended
+// device, so the copy-outs of small first writes wait there with their
+// buffers. Every request held must have been charged what it holds to
+// --memory, so that memory stays bounded however many clients write.
+func TestCopyOutsChargedToMemory(t *testing.T) {
+	dir := t.TempDir()
+	sparse.Create(t, filepath.Join(dir, "base.img"), 4<<20)
+	sparse.Create(t, filepath.Join(dir, "cow.img"), 4<<20)
+	writeFile(t, filepath.Join(dir, "base.table"), "0 8192 linear base.img 0\n")
+	writeFile(t, filepath.Join(dir, "orig.table"), "0 8192 snapshot-origin /dev/mapper/base\n")
+	writeFile(t, filepath.Join(dir, "snap.table"), "0 8192 snapshot /dev/mapper/base cow.img N 8\n")
+	ctl := filepath.Join(dir, "control")
+	s := serve(t, dir, "--control", ctl, "base=base.table", "orig=orig.table", "snap=snap.table")
+	lifecycle(t, ctl, "suspend", "base")
+	c, err := nbdtest.Dial(s.Socket, "orig")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const writes = 8
+	for i := range writes {
+		c.Send(nbdtest.CmdWrite, 0, uint64(i), uint64(i)*64<<10, 512)
+		c.Write(make([]byte, 512))
+	}
+	replies := make(chan error, 1)
+	go func() {
+		for range writes {
+			r, err := c.Recv()
+			if err == nil && r.Errno != 0 {
+				err = nbdtest.ErrnoError(r.Errno)
+			}
+			if err != nil {
+				replies <- err
+				return
+			}
+		}
+		replies <- nil
+	}()
+	heldRe := regexp.MustCompile(`Requests held: +(\d+)`)
+	held := 0
+	nbdtest.Until(t, "a copy-out to wait for the suspended origin", func() bool {
+		m := heldRe.FindStringSubmatch(lifecycle(t, ctl, "info", "base"))
+		held, _ = strconv.Atoi(m[1])
+		return held > 0
+	})
+	charged := scrapeValue(t, s.metrics, "nbdmapper_request_memory_bytes")
+	const copyBuffer = 256 << 10
+	if charged < float64(held*copyBuffer) {
+		t.Errorf("%d copy-outs hold a %d KiB buffer each, but requests are charged %.0f bytes in all", held, copyBuffer>>10, charged)
+	}
+	lifecycle(t, ctl, "resume", "base")
+	if err := nbdtest.Recv(t, replies, "the writes' replies"); err != nil {
+		t.Fatal(err)
 	}
 }
