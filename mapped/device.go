@@ -209,7 +209,7 @@ func (m *Device) Load(t *table.Table) {
 	}
 	m.mu.Unlock()
 	if old != nil {
-		old.Close()
+		m.closeTable(old)
 	}
 }
 
@@ -220,7 +220,7 @@ func (m *Device) ClearInactive() {
 	m.inactive = nil
 	m.mu.Unlock()
 	if old != nil {
-		old.Close()
+		m.closeTable(old)
 	}
 }
 
@@ -333,7 +333,7 @@ func (m *Device) Resume() (swapped bool, err error) {
 	if old != nil {
 		// Nothing runs on it any more: everything in flight drained at
 		// suspend, and new requests see the new table.
-		if err := old.Close(); err != nil {
+		if err := m.closeTable(old); err != nil {
 			return true, fmt.Errorf("closing the old table: %w", err)
 		}
 	}
@@ -382,6 +382,18 @@ func (m *Device) InactiveTable() *table.Table {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.inactive
+}
+
+// closeTable closes t, and makes the discard engine forget the devices
+// t's targets made (a snapshot's): nothing reaches them after, and a
+// table reloaded again and again would otherwise leave each one there.
+func (m *Device) closeTable(t *table.Table) error {
+	made := t.Made()
+	err := t.Close()
+	for _, d := range made {
+		m.discard.Forget(d)
+	}
+	return err
 }
 
 // unsyncedDevices is what unsynced holds.

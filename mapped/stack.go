@@ -139,9 +139,10 @@ func (m *Device) Close() error {
 	m.mu.Unlock()
 	active := m.active.Load().t // no Resume swaps it now
 	active.Deactivate()
-	err := active.Close()
+	err := m.closeTable(active)
 	if inactive != nil {
-		err = errors.Join(err, inactive.Close())
+		err = errors.Join(err, m.closeTable(inactive))
 	}
+	m.discard.Forget(m) // as a device below another, now removed
 	return err
 }

@@ -262,3 +262,37 @@ func TestRequestMemoryFollowsStackAndReload(t *testing.T) {
 		t.Fatalf("linear over a reloaded snapshot-origin: %d bytes, want %d", got, snapshot.CopyMemory)
 	}
 }
+
+// Each reload of a snapshot table makes a new snapshot device, which a
+// TRIM makes known to the discard engine; the old one goes when its table
+// is closed (by the resume that swaps it out, or by Close), with what the
+// engine keeps of it, rather than staying for the life of the server.
+func TestReloadedSnapshotsLeaveTheDiscardEngine(t *testing.T) {
+	devs := memOpener{"disk": backing.NewMem("disk", 1<<20), "cow": backing.NewMem("cow", 1<<20)}
+	dc := discard.New()
+	const text = "0 2048 snapshot disk cow N 8 1 discard_zeroes_cow\n"
+	d := mapped.New("d", mustParse(t, text, devs), flush.New(), dc)
+	for range 5 {
+		if err := d.Trim(0, 1<<20, false); err != nil {
+			t.Fatal(err)
+		}
+		d.Load(mustParse(t, text, devs))
+		if _, err := d.Resume(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := len(dc.Stats().Devices); n > 2 { // the live snapshot, and the COW below it
+		t.Errorf("the discard engine keeps %d devices after 5 reloads: %v", n, dc.Stats().Devices)
+	}
+	if err := d.Trim(0, 1<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range dc.Stats().Devices {
+		if strings.HasPrefix(s.Name, "snapshot ") {
+			t.Errorf("the discard engine keeps %s after the device closed", s.Name)
+		}
+	}
+}

@@ -119,6 +119,9 @@ func (t *snapshotTarget) Devices() []backing.Device { return t.s.Devices() }
 // snapshot.CopyMemory).
 func (t *snapshotTarget) RequestMemory() int64 { return snapshot.CopyMemory }
 
+// Made is the snapshot device the line maps to.
+func (t *snapshotTarget) Made() backing.Device { return t.s }
+
 // Activate and Deactivate follow the table's resume and suspend: a
 // handover destination takes its store, a merge starts or stops.
 func (t *snapshotTarget) Activate()   { t.s.Activate() }

@@ -51,3 +51,6 @@ func (t *originTarget) Devices() []backing.Device { return t.o.Devices() }
 // RequestMemory is the copy buffer a write's copy-outs hold (see
 // snapshot.CopyMemory).
 func (t *originTarget) RequestMemory() int64 { return snapshot.CopyMemory }
+
+// Made is the snapshot-origin device the line maps to.
+func (t *originTarget) Made() backing.Device { return t.o }

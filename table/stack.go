@@ -227,6 +227,26 @@ func (t *Table) Deactivate() {
 	}
 }
 
+// maker is implemented by targets that make a device of their own rather
+// than only open them: a snapshot, a snapshot-origin.
+type maker interface {
+	Made() backing.Device
+}
+
+// Made lists the devices the table's targets made (a snapshot's, a
+// snapshot-origin's), which the table's extents name and which are gone
+// once it is closed: whoever keeps state per device (the discard engine)
+// forgets them then.
+func (t *Table) Made() []backing.Device {
+	var out []backing.Device
+	for _, l := range t.Lines {
+		if m, ok := l.Target.(maker); ok {
+			out = append(out, m.Made())
+		}
+	}
+	return out
+}
+
 // Close releases what the table's targets hold beyond their devices
 // (a snapshot's registration with its origin and its claim on the COW
 // device), and then the devices Parse opened for it, if its Opener is a
