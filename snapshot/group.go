@@ -25,6 +25,8 @@ import (
 // An origin write goes ahead at once when every snapshot has an exception
 // and no pending one for each chunk it touches.
 type group struct {
+	id    backing.ID // the origin's
+	users int        // snapshots and snapshot-origins of it open; guarded by registry.mu
 	mu    sync.RWMutex
 	snaps []*Snapshot // guarded by mu
 	reads tracker     // snapshot reads of the origin in flight, in origin bytes
@@ -55,8 +57,11 @@ var registry struct {
 	cows   map[backing.ID]*Snapshot // by COW device: the snapshot whose store it is
 }
 
-// groupOf returns the group of the origin device id, creating it. Groups are
-// never freed: one per origin device the process has seen.
+// groupOf returns the group of the origin device id, creating it, for a
+// new snapshot or snapshot-origin, which gives it back with releaseGroup
+// when it closes: the last one frees it. (A mapped device has a new ID
+// each time it is made, so groups kept for good would pile up with every
+// create and remove of an origin.)
 func groupOf(id backing.ID) *group {
 	registry.mu.Lock()
 	defer registry.mu.Unlock()
@@ -65,10 +70,20 @@ func groupOf(id backing.ID) *group {
 		if registry.groups == nil {
 			registry.groups = make(map[backing.ID]*group)
 		}
-		g = &group{}
+		g = &group{id: id}
 		registry.groups[id] = g
 	}
+	g.users++
 	return g
+}
+
+// releaseGroup gives back a groupOf.
+func releaseGroup(g *group) {
+	registry.mu.Lock()
+	defer registry.mu.Unlock()
+	if g.users--; g.users == 0 {
+		delete(registry.groups, g.id)
+	}
 }
 
 // claimCOW records that s uses its COW device. If another snapshot owns

@@ -2,6 +2,7 @@ package snapshot
 
 import (
 	"fmt"
+	"sync/atomic"
 
 	"github.com/nbdmapper/nbdmapper/backing"
 )
@@ -31,6 +32,7 @@ type Origin struct {
 	origin backing.Device
 	size   int64
 	g      *group
+	closed atomic.Bool
 }
 
 var _ backing.Device = (*Origin)(nil)
@@ -53,8 +55,17 @@ func (o *Origin) ID() backing.ID                              { return o.id }
 func (o *Origin) Size() int64                                 { return o.size }
 func (o *Origin) Sync() error                                 { return o.origin.Sync() }
 func (o *Origin) Limits() backing.Limits                      { return o.origin.Limits() }
-func (o *Origin) Close() error                                { return nil }
 func (o *Origin) Holes(off, n int64) ([]backing.Range, error) { return o.origin.Holes(off, n) }
+
+// Close gives up the origin's group (the snapshots of its origin device
+// keep theirs). The origin device belongs to whoever opened it. Closing
+// twice does nothing.
+func (o *Origin) Close() error {
+	if o.closed.CompareAndSwap(false, true) {
+		releaseGroup(o.g)
+	}
+	return nil
+}
 
 // Devices lists the origin: copy-outs are synced to the COW devices when
 // they are committed, so a flush of the origin device needs only the origin.

@@ -110,12 +110,14 @@ func Open(name string, origin, cow backing.Device, opt Options) (*Snapshot, erro
 	s.g = groupOf(origin.ID())
 	src, err := claimCOW(s)
 	if err != nil {
+		releaseGroup(s.g)
 		return nil, err
 	}
 	if src == nil {
 		st, err := openStore(cow, opt.Type, opt.ChunkSectors)
 		if err != nil {
 			releaseCOW(s)
+			releaseGroup(s.g)
 			return nil, err
 		}
 		s.st = st
@@ -215,6 +217,7 @@ func (s *Snapshot) Close() error {
 	s.closed = true
 	s.mu.Unlock()
 	s.g.remove(s)
+	releaseGroup(s.g)
 	releaseCOW(s)
 	return nil
 }

@@ -54,3 +54,6 @@ func (t *originTarget) RequestMemory() int64 { return snapshot.CopyMemory }
 
 // Made is the snapshot-origin device the line maps to.
 func (t *originTarget) Made() backing.Device { return t.o }
+
+// Close frees the origin's snapshot group once nothing else uses it.
+func (t *originTarget) Close() error { return t.o.Close() }
