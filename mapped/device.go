@@ -62,6 +62,7 @@ type Device struct {
 // live is an active table and what is derived from it once.
 type live struct {
 	t       *table.Table
+	raw     []backing.Device // the table's devices, mapped devices among them
 	devs    []backing.Device // the real devices below, each once
 	stacked bool             // some are mapped devices: flatten per flush
 	// mem is the most one request holds in the table's targets and its
@@ -102,7 +103,7 @@ func New(name string, t *table.Table, f *flush.Engine, d *discard.Engine) *Devic
 
 func newLive(t *table.Table) *live {
 	devs := t.Devices()
-	l := &live{t: t, devs: table.Flatten(devs)}
+	l := &live{t: t, raw: devs, devs: table.Flatten(devs)}
 	var targets, devices int64
 	for _, ln := range t.Lines {
 		if r, ok := ln.Target.(requestMemory); ok {
@@ -408,7 +409,7 @@ func (m *Device) unsyncedDevices() []backing.Device {
 // some are mapped devices, whose tables may have changed since.
 func (m *Device) devices(l *live) []backing.Device {
 	if l.stacked {
-		return table.Flatten(l.t.Devices())
+		return table.Flatten(l.raw)
 	}
 	return l.devs
 }

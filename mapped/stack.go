@@ -24,6 +24,16 @@ func (m *Device) Limits() backing.Limits {
 	return backing.Limits{Granularity: table.SectorSize, RequestMemory: m.RequestMemory()}
 }
 
+// Below lists the devices the active table names, mapped devices among
+// them, and the unsynced ones (see Devices), for table.Flatten.
+func (m *Device) Below() []backing.Device {
+	devs := m.active.Load().raw
+	if lost := m.unsyncedDevices(); lost != nil {
+		devs = append(slices.Clone(devs), lost...)
+	}
+	return devs
+}
+
 // Devices lists the real devices below the active table, and those of
 // tables swapped out after their flush failed (see Device.unsynced): a
 // device stacked on this one flushes them too, and fails as this one's

@@ -296,3 +296,25 @@ func TestReloadedSnapshotsLeaveTheDiscardEngine(t *testing.T) {
 		}
 	}
 }
+
+// A flush of a device on 40 levels of diamonds (a_i and b_i each stacked
+// on both a_{i-1} and b_{i-1}: 2^40 paths down) expands each device once.
+func TestFlushOnDiamonds(t *testing.T) {
+	devs := memOpener{"disk": backing.NewMem("disk", 1<<20)}
+	specs := []string{"a0=0 2048 linear disk 0", "b0=0 2048 linear disk 0"}
+	for i := 1; i < 40; i++ {
+		text := fmt.Sprintf("0 1024 linear /dev/mapper/a%d 0\n1024 1024 linear /dev/mapper/b%d 1024", i-1, i-1)
+		specs = append(specs, fmt.Sprintf("a%d=%s", i, text), fmt.Sprintf("b%d=%s", i, text))
+	}
+	made := make(chan []*mapped.Device, 1)
+	go func() { made <- parseSet(t, devs, specs...) }()
+	mds := wait(t, "the stack to load", made)
+	flushed := make(chan error, 1)
+	go func() { flushed <- mds[len(mds)-1].Flush() }()
+	if err := wait(t, "the flush of the top device", flushed); err != nil {
+		t.Fatal(err)
+	}
+	if d := table.Flatten(mds[len(mds)-1].Devices()); len(d) != 1 || d[0] != devs["disk"] {
+		t.Fatalf("devices below the top: %v", names(d))
+	}
+}

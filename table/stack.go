@@ -167,21 +167,39 @@ type stacked interface {
 	Devices() []backing.Device
 }
 
+// layered is a stacked device that can name the devices directly below it
+// (a mapped device: its table's devices, mapped devices among them), so
+// that Flatten walks each device of a stack once rather than once per
+// path to it.
+type layered interface {
+	Below() []backing.Device
+}
+
 // Flatten replaces stacked devices (those with a Devices method: mapped
 // devices, snapshots) by the real devices below them, recursively, keeping
-// the first occurrence of each: the devices a flush must reach.
+// the first occurrence of each: the devices a flush must reach. Each
+// stacked device is expanded once, so that a stack of diamonds (a device
+// on two that are both on the same two, and so on) costs its size, not
+// its number of paths.
 func Flatten(devs []backing.Device) []backing.Device {
 	var out []backing.Device
+	seen := make(map[backing.Device]bool)
 	var walk func([]backing.Device)
 	walk = func(ds []backing.Device) {
 		for _, d := range ds {
+			if seen[d] {
+				continue
+			}
+			seen[d] = true
+			if l, ok := d.(layered); ok {
+				walk(l.Below())
+				continue
+			}
 			if s, ok := d.(stacked); ok {
 				walk(s.Devices())
 				continue
 			}
-			if !slices.Contains(out, d) {
-				out = append(out, d)
-			}
+			out = append(out, d)
 		}
 	}
 	walk(devs)
