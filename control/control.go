@@ -398,26 +398,36 @@ func (o opener) Release(d backing.Device) error {
 // stacksOn reports whether d is self or is built, at any depth, on self:
 // whether its table, active or loaded, names /dev/mapper/<self> or a
 // device that does. (Targets hand out the real devices below them, not the
-// mapped devices they stack on, so the table's arguments tell.) s.mu must
-// be held.
+// mapped devices they stack on, so the table's arguments tell.) Each
+// device is looked at once, so that a stack of diamonds costs its size,
+// not its number of paths. s.mu must be held.
 func (s *Server) stacksOn(d, self *mapped.Device) bool {
-	if d == self {
-		return true
-	}
-	for _, t := range []*table.Table{d.Table(), d.InactiveTable()} {
-		if t == nil {
-			continue
+	seen := make(map[*mapped.Device]bool)
+	var on func(d *mapped.Device) bool
+	on = func(d *mapped.Device) bool {
+		if d == self {
+			return true
 		}
-		for _, l := range t.Lines {
-			for _, a := range l.Target.Args() {
-				name, ok := strings.CutPrefix(a, table.MapperPrefix)
-				if below := s.Devices[name]; ok && below != nil && s.stacksOn(below, self) {
-					return true
+		if seen[d] {
+			return false // looked at already, and not on self
+		}
+		seen[d] = true
+		for _, t := range []*table.Table{d.Table(), d.InactiveTable()} {
+			if t == nil {
+				continue
+			}
+			for _, l := range t.Lines {
+				for _, a := range l.Target.Args() {
+					name, ok := strings.CutPrefix(a, table.MapperPrefix)
+					if below := s.Devices[name]; ok && below != nil && on(below) {
+						return true
+					}
 				}
 			}
 		}
+		return false
 	}
-	return false
+	return on(d)
 }
 
 // Call sends req to the control socket at path and returns the server's

@@ -2,6 +2,7 @@ package control_test
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -227,4 +228,50 @@ func TestRemoveWhoseCloseFailsFreesTheName(t *testing.T) {
 	if _, err := s.Do(control.Request{Op: "remove", Name: "x"}); err != nil {
 		t.Fatalf("removing the new x: %v", err)
 	}
+}
+
+// The stacking check walks each device once: over 40 levels of diamonds
+// (a_i and b_i each stacked on both a_{i-1} and b_{i-1}) there are 2^40
+// paths from the top to the bottom, and a remove of an unrelated device,
+// which asks whether each device stacks on it, must not try them all.
+func TestStackingCheckOnDiamonds(t *testing.T) {
+	const levels = 40
+	devs := memOpener{"disk": backing.NewMem("disk", 1<<20)}
+	defs := []table.Def{
+		{Name: "a0", File: "a0", Text: strings.NewReader("0 2048 linear disk 0\n")},
+		{Name: "b0", File: "b0", Text: strings.NewReader("0 2048 linear disk 0\n")},
+		{Name: "lone", File: "lone", Text: strings.NewReader("0 2048 linear disk 0\n")},
+	}
+	for i := 1; i < levels; i++ {
+		text := fmt.Sprintf("0 1024 linear /dev/mapper/a%d 0\n1024 1024 linear /dev/mapper/b%d 1024\n", i-1, i-1)
+		defs = append(defs,
+			table.Def{Name: fmt.Sprintf("a%d", i), File: "a", Text: strings.NewReader(text)},
+			table.Def{Name: fmt.Sprintf("b%d", i), File: "b", Text: strings.NewReader(text)})
+	}
+	f, dc := flush.New(), discard.New()
+	mds, err := table.ParseSet(defs, devs, func(name string, t *table.Table) *mapped.Device { return mapped.New(name, t, f, dc) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	byName := map[string]*mapped.Device{}
+	for i, d := range mds {
+		byName[defs[i].Name] = d
+	}
+	s := &control.Server{Devices: byName, Open: devs}
+	s.Remove = func(name string, force bool) error { return s.Device(name).Close() }
+	if err := nbdtest.Recv(t, do(s, control.Request{Op: "remove", Name: "lone"}), "the remove of a device nothing stacks on"); err != nil {
+		t.Fatal(err)
+	}
+	if err := nbdtest.Recv(t, do(s, control.Request{Op: "remove", Name: "a0"}), "the remove of a device the diamonds stack on"); !errors.Is(err, control.ErrInUse) && (err == nil || !strings.Contains(err.Error(), control.ErrInUse.Error())) {
+		t.Fatalf("remove a0: %v, want %v", err, control.ErrInUse)
+	}
+}
+
+type memOpener map[string]backing.Device
+
+func (o memOpener) Open(name string) (backing.Device, error) {
+	if d, ok := o[name]; ok {
+		return d, nil
+	}
+	return nil, fmt.Errorf("open %s: %w", name, os.ErrNotExist)
 }
