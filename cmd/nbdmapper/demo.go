@@ -1,12 +1,14 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
@@ -22,17 +24,24 @@ const (
 
 // makeDemo creates dir with two sparse backing files and a table over them
 // (keeping any existing files and their data), and returns NAME=TABLE_FILE.
+// A file that is there already is used as it is, grown to the demo's size
+// if it is smaller, never shrunk; one that is not a regular file (a
+// symlink, a device) is refused, so that the demo writes nothing outside
+// dir.
 func makeDemo(dir string) (string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return "", err
 	}
 	disks := []string{filepath.Join(dir, "disk0.img"), filepath.Join(dir, "disk1.img")}
 	for _, d := range disks {
-		f, err := os.OpenFile(d, os.O_RDWR|os.O_CREATE, 0o644)
+		f, err := openDemoFile(d, os.O_RDWR)
 		if err != nil {
 			return "", err
 		}
-		err = f.Truncate(demoFileBytes)
+		fi, err := f.Stat()
+		if err == nil && fi.Size() < demoFileBytes {
+			err = f.Truncate(demoFileBytes)
+		}
 		f.Close()
 		if err != nil {
 			return "", err
@@ -46,10 +55,35 @@ func makeDemo(dir string) (string, error) {
 		fmt.Fprintf(&b, "%d %d linear %s %d\n", start, demoSegSectors, disks[i%2], offset)
 	}
 	path := filepath.Join(dir, "demo.table")
-	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+	f, err := openDemoFile(path, os.O_WRONLY|os.O_TRUNC)
+	if err != nil {
+		return "", err
+	}
+	_, err = f.WriteString(b.String())
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		return "", err
 	}
 	return "demo=" + path, nil
+}
+
+// openDemoFile opens or creates the regular file path with flag, without
+// following a symlink there.
+func openDemoFile(path string, flag int) (*os.File, error) {
+	f, err := os.OpenFile(path, flag|os.O_CREATE|syscall.O_NOFOLLOW, 0o644)
+	if err != nil {
+		if errors.Is(err, syscall.ELOOP) {
+			return nil, fmt.Errorf("%s is a symlink: not following it (remove it, or give a table)", path)
+		}
+		return nil, err
+	}
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, fmt.Errorf("%s is not a regular file (remove it, or give a table)", path)
+	}
+	return f, nil
 }
 
 func printDemoHelp(w io.Writer, addr net.Addr, x *nbdtarget.Export, tableFile string) {

@@ -224,3 +224,62 @@ func TestServeCPUProfile(t *testing.T) {
 		t.Fatalf("%s is not a gzipped profile (%d bytes)", profile, len(b))
 	}
 }
+
+// TestServeDemoKeepsFiles runs the demo (serve with no tables) where
+// ./demo already holds files: a larger disk0.img keeps its size and data,
+// and a disk1.img that is a symlink is refused rather than followed, so
+// the file it points to is left alone.
+func TestServeDemoKeepsFiles(t *testing.T) {
+	t.Run("larger file", func(t *testing.T) {
+		dir := t.TempDir()
+		if err := os.Mkdir(filepath.Join(dir, "demo"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		disk := filepath.Join(dir, "demo", "disk0.img")
+		sparse.Create(t, disk, 256<<20)
+		f, err := os.OpenFile(disk, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.WriteAt([]byte("keep me"), 200<<20)
+		f.Close()
+		s := serve(t, dir)
+		s.Stop(t)
+		b, err := os.ReadFile(disk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(b) != 256<<20 || string(b[200<<20:200<<20+7]) != "keep me" {
+			t.Fatalf("disk0.img is %d bytes now, data %q", len(b), b[min(len(b), 200<<20):min(len(b), 200<<20+7)])
+		}
+	})
+	t.Run("symlink", func(t *testing.T) {
+		dir := t.TempDir()
+		if err := os.Mkdir(filepath.Join(dir, "demo"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		victim := filepath.Join(dir, "victim")
+		writeFile(t, victim, "precious")
+		if err := os.Symlink(victim, filepath.Join(dir, "demo", "disk1.img")); err != nil {
+			t.Fatal(err)
+		}
+		cmd := exec.Command(bin, "serve", "--metrics", "off", "--control", "off", "--socket", filepath.Join(dir, "s"))
+		cmd.Dir = dir
+		var out strings.Builder
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer cmd.Process.Kill()
+		exited := make(chan error, 1)
+		go func() { exited <- cmd.Wait() }()
+		err := nbdtest.Recv(t, exited, "serve to refuse the symlink")
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(out.String(), "disk1.img") {
+			t.Fatalf("serve: %v, want exit status 1 naming disk1.img\n%s", err, out.String())
+		}
+		if b, err := os.ReadFile(victim); err != nil || string(b) != "precious" {
+			t.Fatalf("the file the symlink points to: %q, %v", b, err)
+		}
+	})
+}
