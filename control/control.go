@@ -80,6 +80,10 @@ type Server struct {
 	// take the answer, before its connection is closed (default
 	// DefaultTimeout).
 	Timeout time.Duration
+	// Changed, if set, is called after each create, remove, reload,
+	// resume and clear: the tables the server holds may have changed
+	// (serve sets the Go memory limit again).
+	Changed func()
 
 	mu sync.RWMutex // Devices
 	// topo serialises the requests that change which device is built on
@@ -169,6 +173,12 @@ func (s *Server) serveConn(c net.Conn) {
 
 // Do carries out one request.
 func (s *Server) Do(req Request) (string, error) {
+	switch req.Op {
+	case "create", "remove", "reload", "resume", "clear":
+		if s.Changed != nil {
+			defer s.Changed()
+		}
+	}
 	switch req.Op {
 	case "ls":
 		return s.ls(), nil

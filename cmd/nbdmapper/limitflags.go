@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
@@ -110,20 +111,28 @@ func (d *descriptions) Set(s string) error {
 const memoryHeadroom = 16 << 20
 
 // limitMemory sets the Go runtime's soft memory limit to what the process
-// holds once its tables are loaded, plus the request budget and
-// memoryHeadroom, so that garbage from requests is collected before the
-// heap grows past the budget. Without it the heap of a server with a large
-// table (a million segments) may double before a collection, whatever the
-// budget. An operator's GOMEMLIMIT wins.
-func limitMemory(log *slog.Logger, budget int64) {
+// holds besides requests (its tables, the runtime), plus the request
+// budget and memoryHeadroom, so that garbage from requests is collected
+// before the heap grows past the budget. Without it the heap of a server
+// with a large table (a million segments) may double before a collection,
+// whatever the budget. inUse is what requests hold now (counted in the
+// budget, not twice). Serve calls it at start-up and again whenever a
+// table is created, loaded, swapped or removed, so that the limit follows
+// the tables. An operator's GOMEMLIMIT wins.
+func limitMemory(log *slog.Logger, budget int64, inUse func() int64) {
 	if os.Getenv("GOMEMLIMIT") != "" {
 		return
 	}
+	limitMu.Lock()
+	defer limitMu.Unlock()
 	runtime.GC()
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
-	held := int64(ms.Sys - ms.HeapReleased)
+	held := int64(ms.Sys-ms.HeapReleased) - inUse()
 	limit := held + budget + memoryHeadroom
 	debug.SetMemoryLimit(limit)
 	log.Info("memory", "tables_and_runtime", held, "request_budget", budget, "limit", limit)
 }
+
+// limitMu orders the limits set from start-up and control requests.
+var limitMu sync.Mutex

@@ -503,3 +503,39 @@ func TestCopyOutsChargedToMemory(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// The Go memory limit covers the tables the server holds now, not those
+// it had at start-up: creating a device with a large table (131,072
+// segments) raises it, so the new table is not counted against the
+// request budget (a garbage collection after every few requests).
+func TestMemoryLimitFollowsTables(t *testing.T) {
+	dir := t.TempDir()
+	sparse.Create(t, filepath.Join(dir, "d.img"), 1<<30)
+	writeFile(t, filepath.Join(dir, "small.table"), "0 8 linear d.img 0\n")
+	var big strings.Builder
+	for i := range 1 << 17 {
+		fmt.Fprintf(&big, "%d 8 linear d.img %d\n", i*8, (1<<17-1-i)*8)
+	}
+	writeFile(t, filepath.Join(dir, "big.table"), big.String())
+	ctl := filepath.Join(dir, "control")
+	s := nbdtest.Start(t, bin, dir, "--metrics", "off", "--control", ctl, "small=small.table")
+	limitRe := regexp.MustCompile(`msg=memory .*limit=(\d+)`)
+	limits := func() []int64 {
+		var out []int64
+		for _, m := range limitRe.FindAllStringSubmatch(s.Stderr(), -1) {
+			n, _ := strconv.ParseInt(m[1], 10, 64)
+			out = append(out, n)
+		}
+		return out
+	}
+	if len(limits()) != 1 {
+		t.Fatalf("memory limits logged at start-up: %v\n%s", limits(), s.Stderr())
+	}
+	lifecycle(t, ctl, "create", "big", filepath.Join(dir, "big.table"))
+	nbdtest.Until(t, "the memory limit to be set again", func() bool { return len(limits()) > 1 })
+	l := limits()
+	if grew := l[len(l)-1] - l[0]; grew < 8<<20 {
+		t.Errorf("the memory limit grew %d bytes with a table of 131,072 segments: %v", grew, l)
+	}
+	s.Stop(t)
+}

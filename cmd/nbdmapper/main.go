@@ -279,7 +279,9 @@ func runServe(args []string) error {
 		log.Info("export", "name", defs[i].Name, "table", defs[i].File, "bytes", d.Size(), "segments", len(d.Table().Lines))
 	}
 
-	limitMemory(log, int64(lf.memory))
+	// No request runs yet (and srv.Stats would fix srv's exports before
+	// they are set).
+	limitMemory(log, int64(lf.memory), func() int64 { return 0 })
 
 	srv.Exports = exports
 	certs, err := tf.apply(srv, exports)
@@ -303,6 +305,9 @@ func runServe(args []string) error {
 	})
 	if err != nil {
 		return err
+	}
+	ctl.Changed = func() {
+		limitMemory(log, int64(lf.memory), func() int64 { return srv.Stats().MemoryInUse })
 	}
 	defer stopControl()
 	var onHUP []func()
