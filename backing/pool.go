@@ -84,36 +84,63 @@ type Scheme interface {
 }
 
 // Open returns the device name refers to, opening it on first use, and
-// takes a reference to it, which Release gives back.
+// takes a reference to it, which Release gives back. Finding and opening
+// a device (a stat on a hung mount, a remote's dial and handshake) runs
+// without the pool's lock, so that other Opens and Releases go on
+// meanwhile; two Opens of one new device may both open it, and the one
+// that comes second closes its copy and takes the first's.
 func (p *Pool) Open(name string) (Device, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if e, ok := p.byName[name]; ok {
-		e.refs++
-		return e.dev, nil
+	if d := p.ref(name, nil); d != nil {
+		return d, nil
 	}
 	id, open, err := p.identify(name)
 	if err != nil {
 		return nil, err
 	}
-	e, ok := p.byID[id]
-	if !ok {
-		inner, err := open()
-		if err != nil {
-			return nil, err
-		}
-		d := inner
-		if f, ok := inner.(*File); ok && !f.block && !p.NoHoleMap {
-			d = NewHoleMap(f)
-		}
-		if p.Wrap != nil {
-			d = p.Wrap(d)
-		}
-		e = p.add(id, d)
+	if d := p.ref(name, &id); d != nil {
+		return d, nil
 	}
+	inner, err := open()
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	if e, ok := p.byID[id]; ok {
+		e.refs++
+		p.name(e, name)
+		p.mu.Unlock()
+		inner.Close()
+		return e.dev, nil
+	}
+	defer p.mu.Unlock()
+	d := inner
+	if f, ok := inner.(*File); ok && !f.block && !p.NoHoleMap {
+		d = NewHoleMap(f)
+	}
+	if p.Wrap != nil {
+		d = p.Wrap(d)
+	}
+	e := p.add(id, d)
 	e.refs++
 	p.name(e, name)
 	return e.dev, nil
+}
+
+// ref takes a reference to the device open under name, or, with id, to
+// the device open as id (recording name for it), if there is one.
+func (p *Pool) ref(name string, id *ID) Device {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	e, ok := p.byName[name]
+	if !ok && id != nil {
+		e, ok = p.byID[*id]
+	}
+	if !ok {
+		return nil
+	}
+	e.refs++
+	p.name(e, name)
+	return e.dev
 }
 
 // Add puts an already opened device (an in-memory or stacked device) into the

@@ -1,8 +1,10 @@
 package remote
 
 import (
+	"bytes"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -271,5 +273,36 @@ func TestStripedPlacement(t *testing.T) {
 		if n := p.Count("Flush"); n != 1 {
 			t.Errorf("remote %d got %d flushes, want 1", i, n)
 		}
+	}
+}
+
+// A remote whose handshake hangs (nbdkit's delay filter holds its open)
+// holds up only the Open of that remote: the pool opens other devices
+// meanwhile, as a table load, a create or a reload elsewhere asks it to.
+func TestPoolOpensOthersWhileARemoteDials(t *testing.T) {
+	dir := shortDir(t)
+	slow := startNbdkit(t, dir, "slow", "--filter=delay", "file", sparseFile(t, dir, "s.img", 4*mib), "delay-open=3600")
+	file := sparseFile(t, dir, "f.img", 4*mib)
+	opts := testOptions(t)
+	opts.Timeout, opts.DialTimeout = time.Hour, time.Hour
+	pool := &backing.Pool{Schemes: []backing.Scheme{&Scheme{Options: opts}}}
+	go pool.Open(slow.URI("")) // ends when the test stops nbdkit
+	// nbdkit logs a connection once it is open: count the socket's
+	// entries in /proc/net/unix instead, the listener and, once nbdkit
+	// has accepted the pool's connection, its end of it.
+	nbdtest.Until(t, "nbdkit to accept the remote's connection", func() bool {
+		b, err := os.ReadFile("/proc/net/unix")
+		return err == nil && bytes.Count(b, []byte(" "+slow.Sock+"\n")) >= 2
+	})
+	opened := make(chan error, 1)
+	go func() {
+		d, err := pool.Open(file)
+		if err == nil {
+			err = pool.Release(d)
+		}
+		opened <- err
+	}()
+	if err := nbdtest.Recv(t, opened, "a file to open while a remote dials"); err != nil {
+		t.Fatal(err)
 	}
 }
