@@ -3,6 +3,7 @@ module github.com/nbdmapper/nbdmapper
 go 1.26.0
 
 require (
+	github.com/ceph/go-ceph v0.34.0
 	github.com/coreos/go-systemd/v22 v22.7.0
 	github.com/pojntfx/go-nbd v0.3.2
 	github.com/prometheus/client_golang v1.25.0

@@ -134,7 +134,9 @@ func runCheck(args []string) error {
 	}
 	s := rf.scheme(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})), nil)
 	s.Unconnected = !*connect
-	pool := &backing.Pool{ReadOnly: true, Schemes: []backing.Scheme{s}}
+	images := rf.rbdScheme()
+	images.Unconnected = !*connect
+	pool := &backing.Pool{ReadOnly: true, Schemes: []backing.Scheme{s, images}}
 	defer pool.Close()
 	t, err := loadTable(fs.Arg(0), pool)
 	if err != nil {
@@ -236,7 +238,7 @@ func runServe(args []string) error {
 	snapshot.Configure(snapshot.Config{MergeRate: int64(mergeRate), OnPanic: srv.Panicked, Logger: log})
 	df.apply(discarder)
 	remotes := rf.scheme(log, srv.Panicked)
-	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track, Forget: discarder.Forget, Schemes: []backing.Scheme{remotes}}
+	pool := &backing.Pool{ReadOnly: sf.readOnly, NoHoleMap: !sf.holeMap, Wrap: flusher.Track, Forget: discarder.Forget, Schemes: []backing.Scheme{remotes, rf.rbdScheme()}}
 	// Closing the devices syncs them; after a shutdown sync that did not
 	// return, the exit closes them instead, without waiting for it again.
 	closeDevices := true

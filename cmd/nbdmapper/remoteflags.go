@@ -8,11 +8,13 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
+	"github.com/nbdmapper/nbdmapper/rbd"
 	"github.com/nbdmapper/nbdmapper/remote"
 )
 
 // remoteFlags are serve's settings for table devices that are NBD URIs
-// (package remote; docs/remote.md).
+// (package remote; docs/remote.md) and, for their deadline, rbd: images
+// (package rbd; docs/ceph.md).
 type remoteFlags struct {
 	connections int
 	timeout     time.Duration
@@ -22,7 +24,7 @@ type remoteFlags struct {
 
 func (f *remoteFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.connections, "remote-connections", remote.DefaultConnections, "connections to each remote export that advertises CAN_MULTI_CONN (others get one)")
-	fs.DurationVar(&f.timeout, "remote-timeout", remote.DefaultTimeout, "deadline of each request to a remote export, reconnections and retries included; then EIO")
+	fs.DurationVar(&f.timeout, "remote-timeout", remote.DefaultTimeout, "deadline of each request to a remote export or rbd: image, reconnections and retries included; then EIO")
 	fs.DurationVar(&f.backoffMax, "remote-backoff-max", remote.DefaultBackoffMax, "longest wait between attempts to reconnect to a remote export")
 	fs.IntVar(&f.queueDepth, "remote-queue-depth", remote.DefaultQueueDepth, "requests in flight on each connection to a remote export")
 }
@@ -53,6 +55,12 @@ func (f *remoteFlags) scheme(log *slog.Logger, onPanic func(v any, stack []byte)
 		Logger:      log,
 		OnPanic:     onPanic,
 	}}
+}
+
+// rbdScheme is the opener of rbd: images (package rbd), whose requests
+// share remote exports' deadline.
+func (f *remoteFlags) rbdScheme() *rbd.Scheme {
+	return &rbd.Scheme{Options: rbd.Options{Timeout: f.timeout}}
 }
 
 // remoteLines lists the remote exports among devs, one status line each:

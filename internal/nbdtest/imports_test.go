@@ -12,7 +12,7 @@ import (
 // its _test.go files.
 func TestOnlyTestsImportTestSupport(t *testing.T) {
 	const module = "github.com/nbdmapper/nbdmapper"
-	support := []string{module + "/internal/fault", module + "/internal/golden", module + "/internal/nbdtest", module + "/internal/netns", module + "/internal/sparse"}
+	support := []string{module + "/internal/cephtest", module + "/internal/fault", module + "/internal/golden", module + "/internal/nbdtest", module + "/internal/netns", module + "/internal/sparse"}
 	out, err := exec.Command(Tool(t, "go"), "list", "-e", "-f", `{{.ImportPath}} {{join .Imports " "}}`, module+"/...").Output()
 	if err != nil {
 		t.Fatalf("go list: %v", err)
