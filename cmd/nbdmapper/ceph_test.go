@@ -1,0 +1,223 @@
+//go:build ceph
+
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/nbdmapper/nbdmapper/internal/cephtest"
+	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/sparse"
+)
+
+// cephTags are the tags the Ceph tests build the binary with: ours, and
+// go-ceph's for Ceph 16 (Debian 12's librbd).
+const cephTags = "ceph,pacific"
+
+// TestServeCeph serves tables over RBD images of a throwaway single-node
+// cluster with the real binary built with -tags ceph, and checks through
+// real clients (nbdsh, nbdinfo) and Ceph's own rbd tool: bytes land where
+// the tables say in the images (rbd export), one client flush is one
+// rbd_flush per written image however many lines map it, merged trims
+// free the images' space (rbd du), write zeroes reads back as zeros and
+// frees it too, block status answers RBD's unallocated objects as holes,
+// and a snapshot is served read-only.
+func TestServeCeph(t *testing.T) {
+	nbdtest.Python(t)
+	dir := nbdtest.ShortDir(t)
+	cbin := filepath.Join(dir, "nbdmapper-ceph")
+	if out, err := exec.Command("go", "build", "-tags", cephTags, "-o", cbin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build -tags %s: %v\n%s", cephTags, err, out)
+	}
+	c := cephtest.Start(t)
+	const size = 8 << 20
+	a := c.CreateImage(t, "a", size)
+	b := c.CreateImage(t, "b", size/2)
+	d := c.CreateImage(t, "d", size/2)
+	z := c.CreateImage(t, "z", 2*size)
+	file := sparse.Create(t, filepath.Join(dir, "f.img"), size/2)
+
+	// lin: 1024 lines of 8 KiB, in order, over all of image a. str: b
+	// and d striped in 64 KiB chunks. mix: a file, then image z's second
+	// half. zero: image z's first half.
+	var lin strings.Builder
+	for i := range 1024 {
+		fmt.Fprintf(&lin, "%d 16 linear %s %d\n", i*16, a, i*16)
+	}
+	writeFile(t, filepath.Join(dir, "lin.table"), lin.String())
+	writeFile(t, filepath.Join(dir, "str.table"), fmt.Sprintf("0 16384 striped 2 128 %s 0 %s 0\n", b, d))
+	writeFile(t, filepath.Join(dir, "mix.table"), fmt.Sprintf("0 8192 linear %s 0\n8192 16384 linear %s 16384\n", file, z))
+	writeFile(t, filepath.Join(dir, "zero.table"), fmt.Sprintf("0 16384 linear %s 0\n", z))
+
+	if out, err := cmd2In(cbin, dir, "check", "--connect", "str.table"); err != nil {
+		t.Fatalf("check --connect: %v\n%s", err, out)
+	}
+	s := serveBin(t, cbin, dir, "lin=lin.table", "str=str.table", "mix=mix.table", "zero=zero.table")
+
+	t.Run("round trip", func(t *testing.T) {
+		pattern := `bytes((i * 7 + (i >> 12)) & 255 for i in range(%d))`
+		nbdsh(t, s.URI("lin"), fmt.Sprintf("d = %s\nh.pwrite(d, 0)\nh.flush()\nassert h.pread(len(d), 0) == d", fmt.Sprintf(pattern, size)))
+		nbdsh(t, s.URI("str"), "h.pwrite(bytes([7]) * (64 << 10) + bytes([9]) * (64 << 10), 0)\nh.flush()")
+		nbdsh(t, s.URI("mix"), "h.pwrite(b'F' * 8192 + b'Z' * 8192, (4 << 20) - 8192)\nh.flush()")
+		want := make([]byte, size)
+		for i := range want {
+			want[i] = byte(i*7 + i>>12)
+		}
+		if got := export(t, c, "a"); !bytes.Equal(got, want) {
+			t.Errorf("rbd export of a differs from what was written through lin")
+		}
+		if got := export(t, c, "b"); !bytes.Equal(got[:64<<10], bytes.Repeat([]byte{7}, 64<<10)) {
+			t.Errorf("stripe chunk 0 is not at offset 0 of b")
+		}
+		if got := export(t, c, "d"); !bytes.Equal(got[:64<<10], bytes.Repeat([]byte{9}, 64<<10)) {
+			t.Errorf("stripe chunk 1 is not at offset 0 of d")
+		}
+		mustFile(t, file, (4<<20)-8192, bytes.Repeat([]byte{'F'}, 8192))
+		if got := export(t, c, "z"); !bytes.Equal(got[8<<20:8<<20+8192], bytes.Repeat([]byte{'Z'}, 8192)) {
+			t.Errorf("mix's second line is not at 8 MiB of z")
+		}
+	})
+
+	t.Run("flush dedupe", func(t *testing.T) {
+		syncs := func() float64 {
+			return scrapeValue(t, s.metrics, fmt.Sprintf("nbdmapper_device_syncs_total{device=%q}", a))
+		}
+		before := syncs()
+		// Writes to every one of lin's 1024 lines, then one flush.
+		nbdsh(t, s.URI("lin"), "for i in range(1024):\n    h.pwrite(b'w' * 512, i * 8192)\nh.flush()")
+		if n := syncs() - before; n != 1 {
+			t.Errorf("%v rbd_flush calls for one client flush over 1024 lines of one image, want 1", n)
+		}
+		nbdsh(t, s.URI("lin"), "h.flush()")
+		if n := syncs() - before; n != 1 {
+			t.Errorf("a flush with nothing written since called rbd_flush (%v in all)", n)
+		}
+	})
+
+	t.Run("merged discards free space", func(t *testing.T) {
+		used := func() int64 { return rbdUsed(t, c, "a") }
+		if u := used(); u < size {
+			t.Fatalf("rbd du of a before trim: %d bytes used, want %d", u, size)
+		}
+		metric := func(name string) float64 {
+			return scrapeValue(t, s.metrics, fmt.Sprintf("%s{device=%q}", name, a))
+		}
+		in0, calls0 := metric("nbdmapper_device_discard_ranges_received_total"), metric("nbdmapper_device_discard_calls_total")
+		// One trim of all of lin: a range on each of its 1024 lines.
+		nbdsh(t, s.URI("lin"), "h.trim(8 << 20, 0)\nh.flush()")
+		in, calls := metric("nbdmapper_device_discard_ranges_received_total")-in0, metric("nbdmapper_device_discard_calls_total")-calls0
+		if in != 1024 || calls != 1 {
+			t.Errorf("one trim over 1024 lines of a: %v ranges in, %v rbd_discard calls; want 1024 and 1", in, calls)
+		}
+		if u := used(); u != 0 {
+			t.Errorf("rbd du of a after trimming it all: %d bytes used, want 0", u)
+		}
+		nbdsh(t, s.URI("lin"), "assert h.pread(8 << 20, 0) == bytes(8 << 20)")
+	})
+
+	t.Run("write zeroes", func(t *testing.T) {
+		nbdsh(t, s.URI("zero"), "h.pwrite(b'q' * (8 << 20), 0)\nh.flush()")
+		if u := rbdUsed(t, c, "z"); u < size {
+			t.Fatalf("rbd du of z: %d bytes used, want at least %d", u, size)
+		}
+		nbdsh(t, s.URI("zero"), "h.zero(8 << 20, 0)\nh.flush()\nassert h.pread(8 << 20, 0) == bytes(8 << 20)")
+		if got := export(t, c, "z"); !bytes.Equal(got[:size], make([]byte, size)) {
+			t.Errorf("rbd export of z after write zeroes is not zeros")
+		}
+		if u := rbdUsed(t, c, "z"); u >= size {
+			t.Errorf("rbd du of z after write zeroes of 8 MiB: %d bytes used, want less than %d", u, size)
+		}
+	})
+
+	t.Run("holes in block status", func(t *testing.T) {
+		// z: its first 8 MiB zeroed above; mix writes at 8 MiB of z
+		// (4 MiB of mix's second line, 4 MiB into mix) one 4 MiB
+		// object's worth at most: block status says the rest are holes.
+		out, err := exec.Command("nbdinfo", "--map", s.URI("zero")).CombinedOutput()
+		if err != nil {
+			t.Fatalf("nbdinfo --map: %v\n%s", err, out)
+		}
+		if !regexp.MustCompile(`(?m)^\s*0\s+8388608\s+3\s+hole,zero$`).Match(out) {
+			t.Errorf("nbdinfo --map of zero (all zeroed) does not show one hole:\n%s", out)
+		}
+		nbdsh(t, s.URI("zero"), "h.pwrite(b'x' * 4096, 4 << 20)\nh.flush()")
+		out, err = exec.Command("nbdinfo", "--map", s.URI("zero")).CombinedOutput()
+		if err != nil {
+			t.Fatalf("nbdinfo --map: %v\n%s", err, out)
+		}
+		for _, want := range []string{`(?m)^\s*0\s+4194304\s+3\s+hole,zero$`, `(?m)^\s*4194304\s+4194304\s+0\s+data$`} {
+			if !regexp.MustCompile(want).Match(out) {
+				t.Errorf("nbdinfo --map after a write in the second object lacks %s:\n%s", want, out)
+			}
+		}
+	})
+	s.Stop(t)
+
+	t.Run("snapshot read-only", func(t *testing.T) {
+		c.RBD(t, "snap", "create", "rbd/b@s1")
+		c.RBD(t, "bench", "--io-type", "write", "--io-size", "65536", "--io-total", "65536", "--io-pattern", "seq", "rbd/b")
+		writeFile(t, filepath.Join(dir, "snap.table"), fmt.Sprintf("0 8192 linear %s 0\n", c.Device("b@s1")))
+		s := serveBin(t, cbin, dir, "snap=snap.table")
+		nbdsh(t, s.URI("snap"), "assert h.pread(65536, 0) == bytes([7]) * 65536")
+		out, err := nbdtest.Nbdsh(t, "-u", s.URI("snap"), "-c", "h.pwrite(b'n' * 512, 0)").CombinedOutput()
+		if err == nil || !strings.Contains(string(out), "Operation not permitted") {
+			t.Errorf("a write to a snapshot: %v\n%s\nwant EPERM", err, out)
+		}
+		s.Stop(t)
+	})
+}
+
+// serveBin starts bin (built with other tags than the package's bin) as
+// serve does.
+func serveBin(t *testing.T, bin, dir string, exports ...string) *server {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics := l.Addr().String()
+	l.Close()
+	s := &server{nbdtest.Start(t, bin, dir, append([]string{"--metrics", metrics, "--control", "off"}, exports...)...), metrics}
+	s.WaitListening(t, "tcp", metrics)
+	return s
+}
+
+func cmd2In(bin, dir string, args ...string) (string, error) {
+	cmd := exec.Command(bin, args...)
+	cmd.Dir = dir
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// export is the image's bytes as `rbd export` reads them.
+func export(t *testing.T, c *cephtest.Cluster, image string) []byte {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), image+".raw")
+	c.RBD(t, "export", "rbd/"+image, path)
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
+
+// rbdUsed is the bytes `rbd du` says the image uses.
+func rbdUsed(t *testing.T, c *cephtest.Cluster, image string) int64 {
+	t.Helper()
+	out := c.RBD(t, "du", "--format", "json", "rbd/"+image)
+	m := regexp.MustCompile(`"used_size":(\d+)`).FindStringSubmatch(out)
+	if m == nil {
+		t.Fatalf("rbd du: no used_size in %s", out)
+	}
+	n, _ := strconv.ParseInt(m[1], 10, 64)
+	return n
+}
