@@ -6,6 +6,8 @@
 #   scripts/ceph-cluster.sh start DIR PORT   prints DIR/ceph.conf once a pool
 #                                            "rbd" takes images
 #   scripts/ceph-cluster.sh stop DIR         stops the daemons by PID
+#   scripts/ceph-cluster.sh kill-osd DIR     kills the OSD with SIGKILL
+#   scripts/ceph-cluster.sh start-osd DIR    starts it again
 #
 # The daemons run in the foreground (-f) in the background of this script;
 # their PIDs are in DIR/pids and their logs in DIR/log. Debian 12's ceph-mon,
@@ -43,7 +45,7 @@ stop() {
 daemon() {
 	local name=$1
 	shift
-	"$@" -c "$conf" -f >"$dir/log/$name.out" 2>&1 &
+	"$@" -c "$conf" -f >>"$dir/log/$name.out" 2>&1 &
 	echo $! >>"$dir/pids"
 }
 
@@ -132,6 +134,16 @@ start() {
 	echo "$conf"
 }
 
+# osd_pid DIR: the running OSD's PID, from the daemons' list.
+osd_pid() {
+	local pid
+	while read -r pid; do
+		if grep -q "^ceph-osd" "/proc/$pid/cmdline" 2>/dev/null; then
+			echo "$pid"
+		fi
+	done <"$1/pids"
+}
+
 case "${1:-}" in
 start)
 	[ $# = 3 ] || die "usage: $0 start DIR PORT"
@@ -144,5 +156,24 @@ stop)
 	[ $# = 2 ] || die "usage: $0 stop DIR"
 	stop "$2"
 	;;
-*) die "usage: $0 start DIR PORT | stop DIR" ;;
+kill-osd)
+	[ $# = 2 ] || die "usage: $0 kill-osd DIR"
+	pid=$(osd_pid "$2")
+	[ -n "$pid" ] || die "no OSD running in $2"
+	kill -KILL "$pid"
+	while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+	;;
+start-osd)
+	[ $# = 2 ] || die "usage: $0 start-osd DIR"
+	dir=$(cd "$2" && pwd)
+	conf=$dir/ceph.conf
+	[ -z "$(osd_pid "$dir")" ] || die "the OSD in $dir runs already"
+	daemon osd.0 ceph-osd -i 0
+	# The monitor may still list the killed OSD as up: ask the new one.
+	until_ok "the osd to come back" sh -c "ceph -c '$conf' --admin-daemon '$dir/run/osd.0.asok' status | grep -q '\"state\": \"active\"'"
+	# and its placement groups to serve I/O again.
+	until_ok "the pool to take images" rbd -c "$conf" create --size 1M rbd/probe
+	rbd -c "$conf" rm rbd/probe >/dev/null 2>&1
+	;;
+*) die "usage: $0 start DIR PORT | stop DIR | kill-osd DIR | start-osd DIR" ;;
 esac

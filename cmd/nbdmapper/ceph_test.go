@@ -5,13 +5,16 @@ package main
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/internal/cephtest"
@@ -174,6 +177,80 @@ func TestServeCeph(t *testing.T) {
 		}
 		s.Stop(t)
 	})
+
+	// Last, as it takes the cluster down and up again.
+	t.Run("osd killed and restarted", func(t *testing.T) {
+		// Past the deadline: librbd's cache holds the writes since the
+		// last flush, a flush while the OSD is down fails with EIO once
+		// --remote-timeout has passed, and every later flush of the
+		// image fails too, though the OSD is back; the server serves on,
+		// and what was flushed before is all there.
+		w := c.CreateImage(t, "w", size)
+		writeFile(t, filepath.Join(dir, "w.table"), fmt.Sprintf("0 16384 linear %s 0\n", w))
+		s := serveBin(t, cbin, dir, "--remote-timeout", "3s", "w=w.table")
+		nbdsh(t, s.URI("w"), "h.pwrite(b'A' * (1 << 20), 0)\nh.flush()\nh.pwrite(b'B' * (1 << 20), 1 << 20)\nh.flush()")
+		c.KillOSD(t)
+		nbdsh(t, s.URI("w"), "h.pwrite(b'C' * 65536, 4 << 20)")
+		flushFails := func(what string) {
+			t.Helper()
+			out, err := nbdtest.Nbdsh(t, "-u", s.URI("w"), "-c", "h.flush()").CombinedOutput()
+			if err == nil || !strings.Contains(string(out), "Input/output error") {
+				t.Errorf("flush %s: %v\n%s\nwant EIO", what, err, out)
+			}
+		}
+		flushFails("with the OSD down")
+		c.StartOSD(t)
+		flushFails("after the OSD came back (sticky)")
+		nbdsh(t, s.URI("w"), "assert h.pread(2 << 20, 0) == b'A' * (1 << 20) + b'B' * (1 << 20)")
+		out, _ := cmd2In(cbin, dir, "status", "--metrics", s.metrics)
+		if !strings.Contains(scrapeText(t, s.metrics), fmt.Sprintf("nbdmapper_device_failed{device=%q} 1", w)) {
+			t.Errorf("metrics do not show %s failed\n%s", w, out)
+		}
+		s.Signal(syscall.SIGTERM)
+		if err := s.Wait(); err == nil {
+			t.Errorf("serve exited 0 though the shutdown sync of %s cannot succeed", w)
+		}
+		if got := export(t, c, "w"); !bytes.Equal(got[:2<<20], append(bytes.Repeat([]byte{'A'}, 1<<20), bytes.Repeat([]byte{'B'}, 1<<20)...)) {
+			t.Errorf("rbd export of w lost flushed writes")
+		}
+
+		// Within the deadline: with librbd's cache off every write is
+		// durable when acknowledged; one sent while the OSD is down is
+		// retried by librados and completes once it is back.
+		x := c.CreateImage(t, "x", size)
+		writeFile(t, filepath.Join(dir, "x.table"), fmt.Sprintf("0 16384 linear %s:rbd_cache=false 0\n", x))
+		s = serveBin(t, cbin, dir, "--remote-timeout", "60s", "x=x.table")
+		nbdsh(t, s.URI("x"), "h.pwrite(b'D' * 65536, 0)")
+		c.KillOSD(t)
+		done := make(chan []byte, 1)
+		go func() {
+			out, _ := nbdtest.Nbdsh(t, "-u", s.URI("x"), "-c", "h.pwrite(b'E' * 65536, 65536)\nh.flush()\nprint('written')").CombinedOutput()
+			done <- out
+		}()
+		c.StartOSD(t)
+		if out := <-done; !strings.Contains(string(out), "written") {
+			t.Errorf("a write while the OSD restarted did not complete:\n%s", out)
+		}
+		s.Stop(t)
+		if got := export(t, c, "x"); !bytes.Equal(got[:128<<10], append(bytes.Repeat([]byte{'D'}, 65536), bytes.Repeat([]byte{'E'}, 65536)...)) {
+			t.Errorf("rbd export of x lacks the writes made around the restart")
+		}
+	})
+}
+
+// scrapeText is a scrape of addr/metrics.
+func scrapeText(t *testing.T, addr string) string {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
 }
 
 // serveBin starts bin (built with other tags than the package's bin) as
@@ -187,6 +264,11 @@ func serveBin(t *testing.T, bin, dir string, exports ...string) *server {
 	metrics := l.Addr().String()
 	l.Close()
 	s := &server{nbdtest.Start(t, bin, dir, append([]string{"--metrics", metrics, "--control", "off"}, exports...)...), metrics}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("serve's log:\n%s", s.Stderr())
+		}
+	})
 	s.WaitListening(t, "tcp", metrics)
 	return s
 }

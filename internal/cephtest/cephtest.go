@@ -153,3 +153,21 @@ func freePorts(t testing.TB, n int) int {
 	t.Fatal("no free run of loopback ports")
 	return 0
 }
+
+// KillOSD kills the OSD with SIGKILL, as a crash would, and returns once
+// it is gone. The cluster then serves no I/O until StartOSD.
+func (c *Cluster) KillOSD(t testing.TB) {
+	t.Helper()
+	if out, err := exec.Command(script(), "kill-osd", c.Dir).CombinedOutput(); err != nil {
+		t.Fatalf("ceph-cluster.sh kill-osd: %v\n%s", err, out)
+	}
+}
+
+// StartOSD starts the OSD KillOSD killed, and returns once the monitor
+// has it up.
+func (c *Cluster) StartOSD(t testing.TB) {
+	t.Helper()
+	if out, err := exec.Command(script(), "start-osd", c.Dir).CombinedOutput(); err != nil {
+		t.Fatalf("ceph-cluster.sh start-osd: %v\n%s", err, out)
+	}
+}
