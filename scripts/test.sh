@@ -32,6 +32,13 @@ packages=(
 	groff-base
 	zsh             # parses the zsh completion
 	thin-provisioning-tools # thin_restore, thin_dump, thin_check: thin/metadata checks our reader against them
+	ceph-mon        # a throwaway Ceph cluster for the rbd: device tests
+	ceph-mgr
+	ceph-osd
+	ceph-common     # ceph, rbd, monmaptool
+	librbd-dev      # go-ceph (cgo) for -tags ceph
+	librados-dev
+	gcc             # cgo, for go-ceph
 )
 sudo=""
 [ "$(id -u)" = 0 ] || sudo=sudo
@@ -59,6 +66,12 @@ if ! diff=$(go mod tidy -diff); then
 fi
 go vet ./...
 go test -race -count=1 -timeout 60m ./...
+# rbd: devices need cgo and librbd, so they build only with -tags ceph (and
+# go-ceph's pacific for Debian 12's Ceph 16); TestServeCeph starts a cluster
+# of its own (scripts/ceph-cluster.sh) and stops it at the end.
+go vet -tags ceph,pacific ./rbd/ ./cmd/nbdmapper/
+go test -race -count=1 -tags ceph,pacific ./rbd/
+go test -race -count=1 -tags ceph,pacific -run Ceph ./cmd/nbdmapper/
 # The race detector makes sync.Pool drop items at random, so allocation
 # counts of pooled paths are checked without it (nbdtest.AllocsPerRun).
 go test -count=1 -run Allocs ./...
