@@ -39,6 +39,7 @@ packages=(
 	librbd-dev      # go-ceph (cgo) for -tags ceph
 	librados-dev
 	gcc             # cgo, for go-ceph
+	qemu-block-extra # qemu-nbd rbd:, bench/ceph.sh's peer
 )
 sudo=""
 [ "$(id -u)" = 0 ] || sudo=sudo
