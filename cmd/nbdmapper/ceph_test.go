@@ -64,6 +64,16 @@ func TestServeCeph(t *testing.T) {
 	if out, err := cmd2In(cbin, dir, "check", "--connect", "str.table"); err != nil {
 		t.Fatalf("check --connect: %v\n%s", err, out)
 	}
+	// The package's binary, built without the tag, says how to build it.
+	if out, err := cmd2In(bin, dir, "check", "str.table"); err == nil || !strings.Contains(out, "built without ceph support; build with -tags ceph") {
+		t.Errorf("check with a binary built without ceph: %v\n%s", err, out)
+	}
+	// A cluster that does not answer fails the load after the deadline.
+	writeFile(t, filepath.Join(dir, "down.conf"), "[global]\nmon host = v2:127.0.0.1:1\nauth client required = none\n")
+	writeFile(t, filepath.Join(dir, "down.table"), "0 2048 linear rbd:rbd/a:conf=down.conf 0\n")
+	if out, err := cmd2In(cbin, dir, "check", "--connect", "--remote-timeout", "1s", "down.table"); err == nil || !regexp.MustCompile(`down\.table:1: .*connect: .*timed out`).MatchString(out) {
+		t.Errorf("check --connect with the cluster down: %v\n%s", err, out)
+	}
 	s := serveBin(t, cbin, dir, "lin=lin.table", "str=str.table", "mix=mix.table", "zero=zero.table")
 
 	t.Run("round trip", func(t *testing.T) {
