@@ -48,17 +48,24 @@ func TestServeCeph(t *testing.T) {
 	d := c.CreateImage(t, "d", size/2)
 	z := c.CreateImage(t, "z", 2*size)
 	file := sparse.Create(t, filepath.Join(dir, "f.img"), size/2)
+	peerFile := sparse.Create(t, filepath.Join(dir, "peer.img"), size/2)
+	peer := nbdtest.StartNbdkit(t, dir, "peer", nbdtest.PeerOptions{}, "file", peerFile)
+	sparse.Create(t, filepath.Join(dir, "cow.img"), size)
 
 	// lin: 1024 lines of 8 KiB, in order, over all of image a. str: b
-	// and d striped in 64 KiB chunks. mix: a file, then image z's second
-	// half. zero: image z's first half.
+	// and d striped in 64 KiB chunks. mix: a file, image z's second half
+	// and an nbdkit export. zero: image z's first half. snap: a snapshot
+	// whose origin is image o, its COW store a file.
 	var lin strings.Builder
 	for i := range 1024 {
 		fmt.Fprintf(&lin, "%d 16 linear %s %d\n", i*16, a, i*16)
 	}
 	writeFile(t, filepath.Join(dir, "lin.table"), lin.String())
 	writeFile(t, filepath.Join(dir, "str.table"), fmt.Sprintf("0 16384 striped 2 128 %s 0 %s 0\n", b, d))
-	writeFile(t, filepath.Join(dir, "mix.table"), fmt.Sprintf("0 8192 linear %s 0\n8192 16384 linear %s 16384\n", file, z))
+	writeFile(t, filepath.Join(dir, "mix.table"), fmt.Sprintf("0 8192 linear %s 0\n8192 16384 linear %s 16384\n24576 8192 linear %s 0\n", file, z, peer.URI("")))
+	o := c.CreateImage(t, "o", size)
+	c.RBD(t, "bench", "--io-type", "write", "--io-size", "4M", "--io-total", "8M", "--io-pattern", "seq", "rbd/o")
+	writeFile(t, filepath.Join(dir, "snap.table"), fmt.Sprintf("0 16384 snapshot %s cow.img P 8\n", o))
 	writeFile(t, filepath.Join(dir, "zero.table"), fmt.Sprintf("0 16384 linear %s 0\n", z))
 
 	if out, err := cmd2In(cbin, dir, "check", "--connect", "str.table"); err != nil {
@@ -74,13 +81,13 @@ func TestServeCeph(t *testing.T) {
 	if out, err := cmd2In(cbin, dir, "check", "--connect", "--remote-timeout", "1s", "down.table"); err == nil || !regexp.MustCompile(`down\.table:1: .*connect: .*timed out`).MatchString(out) {
 		t.Errorf("check --connect with the cluster down: %v\n%s", err, out)
 	}
-	s := serveBin(t, cbin, dir, "lin=lin.table", "str=str.table", "mix=mix.table", "zero=zero.table")
+	s := serveBin(t, cbin, dir, "lin=lin.table", "str=str.table", "mix=mix.table", "zero=zero.table", "snap=snap.table")
 
 	t.Run("round trip", func(t *testing.T) {
 		pattern := `bytes((i * 7 + (i >> 12)) & 255 for i in range(%d))`
 		nbdsh(t, s.URI("lin"), fmt.Sprintf("d = %s\nh.pwrite(d, 0)\nh.flush()\nassert h.pread(len(d), 0) == d", fmt.Sprintf(pattern, size)))
 		nbdsh(t, s.URI("str"), "h.pwrite(bytes([7]) * (64 << 10) + bytes([9]) * (64 << 10), 0)\nh.flush()")
-		nbdsh(t, s.URI("mix"), "h.pwrite(b'F' * 8192 + b'Z' * 8192, (4 << 20) - 8192)\nh.flush()")
+		nbdsh(t, s.URI("mix"), "h.pwrite(b'F' * 8192 + b'Z' * 8192, (4 << 20) - 8192)\nh.pwrite(b'P' * 8192, 12 << 20)\nh.flush()")
 		want := make([]byte, size)
 		for i := range want {
 			want[i] = byte(i*7 + i>>12)
@@ -97,6 +104,10 @@ func TestServeCeph(t *testing.T) {
 		mustFile(t, file, (4<<20)-8192, bytes.Repeat([]byte{'F'}, 8192))
 		if got := export(t, c, "z"); !bytes.Equal(got[8<<20:8<<20+8192], bytes.Repeat([]byte{'Z'}, 8192)) {
 			t.Errorf("mix's second line is not at 8 MiB of z")
+		}
+		mustFile(t, peerFile, 0, bytes.Repeat([]byte{'P'}, 8192))
+		if n := peer.Count("Flush"); n != 1 {
+			t.Errorf("%d NBD flushes reached the nbdkit export, want 1", n)
 		}
 	})
 
@@ -173,13 +184,29 @@ func TestServeCeph(t *testing.T) {
 			}
 		}
 	})
+	t.Run("snapshot of an image", func(t *testing.T) {
+		origin := export(t, c, "o")
+		nbdsh(t, s.URI("snap"), "h.pwrite(b'S' * 65536, 4096)\nh.flush()")
+		want := bytes.Clone(origin)
+		copy(want[4096:], bytes.Repeat([]byte{'S'}, 65536))
+		out, err := nbdtest.Nbdsh(t, "-u", s.URI("snap"), "-c", "import sys\nsys.stdout.buffer.write(h.pread(8 << 20, 0))").Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(out, want) {
+			t.Errorf("the snapshot does not read as the origin with its own write")
+		}
+		if got := export(t, c, "o"); !bytes.Equal(got, origin) {
+			t.Errorf("a write to the snapshot changed its origin image")
+		}
+	})
 	s.Stop(t)
 
 	t.Run("snapshot read-only", func(t *testing.T) {
 		c.RBD(t, "snap", "create", "rbd/b@s1")
 		c.RBD(t, "bench", "--io-type", "write", "--io-size", "65536", "--io-total", "65536", "--io-pattern", "seq", "rbd/b")
-		writeFile(t, filepath.Join(dir, "snap.table"), fmt.Sprintf("0 8192 linear %s 0\n", c.Device("b@s1")))
-		s := serveBin(t, cbin, dir, "snap=snap.table")
+		writeFile(t, filepath.Join(dir, "rbdsnap.table"), fmt.Sprintf("0 8192 linear %s 0\n", c.Device("b@s1")))
+		s := serveBin(t, cbin, dir, "snap=rbdsnap.table")
 		nbdsh(t, s.URI("snap"), "assert h.pread(65536, 0) == bytes([7]) * 65536")
 		out, err := nbdtest.Nbdsh(t, "-u", s.URI("snap"), "-c", "h.pwrite(b'n' * 512, 0)").CombinedOutput()
 		if err == nil || !strings.Contains(string(out), "Operation not permitted") {
@@ -211,7 +238,11 @@ func TestServeCeph(t *testing.T) {
 		flushFails("with the OSD down")
 		c.StartOSD(t)
 		flushFails("after the OSD came back (sticky)")
-		nbdsh(t, s.URI("w"), "assert h.pread(2 << 20, 0) == b'A' * (1 << 20) + b'B' * (1 << 20)")
+		// The server's librados learns the restarted OSD's address from
+		// the monitor in its own time; a read before then may time out.
+		nbdtest.Until(t, "reads of the flushed writes through the server", func() bool {
+			return nbdtest.Nbdsh(t, "-u", s.URI("w"), "-c", "assert h.pread(2 << 20, 0) == b'A' * (1 << 20) + b'B' * (1 << 20)").Run() == nil
+		})
 		out, _ := cmd2In(cbin, dir, "status", "--metrics", s.metrics)
 		if !strings.Contains(scrapeText(t, s.metrics), fmt.Sprintf("nbdmapper_device_failed{device=%q} 1", w)) {
 			t.Errorf("metrics do not show %s failed\n%s", w, out)
