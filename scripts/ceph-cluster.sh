@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # A throwaway single-node Ceph cluster for tests and benchmarks: one mon, one
 # mgr and one BlueStore OSD on a sparse file, everything under DIR and bound
-# to 127.0.0.1 on ports PORT to PORT+20, no systemd, no cephx.
+# to 127.0.0.1 on ports PORT to PORT+20, no systemd, cephx only if asked.
 #
-#   scripts/ceph-cluster.sh start DIR PORT   prints DIR/ceph.conf once a pool
-#                                            "rbd" takes images
+#   scripts/ceph-cluster.sh start DIR PORT [cephx]
+#                                            prints DIR/ceph.conf once a pool
+#                                            "rbd" takes images; with cephx,
+#                                            auth is required and DIR/keyring
+#                                            (named in the conf) holds every
+#                                            daemon's key and client.admin's
 #   scripts/ceph-cluster.sh stop DIR         stops the daemons by PID
 #   scripts/ceph-cluster.sh kill-osd DIR     kills the OSD with SIGKILL
 #   scripts/ceph-cluster.sh start-osd DIR    starts it again
@@ -64,7 +68,7 @@ until_ok() {
 
 start() {
 	dir=$1
-	local port=$2
+	local port=$2 auth=${3:-none}
 	mkdir -p "$dir"/{log,run,mon.a,mgr.x,osd.0}
 	dir=$(cd "$dir" && pwd)
 	conf=$dir/ceph.conf
@@ -78,9 +82,10 @@ start() {
 		ms bind msgr1 = false
 		ms bind port min = $((port + 1))
 		ms bind port max = $((port + 20))
-		auth cluster required = none
-		auth service required = none
-		auth client required = none
+		auth cluster required = $auth
+		auth service required = $auth
+		auth client required = $auth
+		keyring = $dir/keyring
 		run dir = $dir/run
 		admin socket = $dir/run/\$name.asok
 		log file = $dir/log/\$name.log
@@ -111,7 +116,13 @@ start() {
 	: >"$dir/pids"
 
 	monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$port]" "$dir/monmap" >/dev/null
-	ceph-mon -c "$conf" -i a --mkfs --monmap "$dir/monmap" >"$dir/log/mon.mkfs.out" 2>&1 ||
+	# The mon's mkfs takes in every key of the keyring.
+	local kr=$dir/keyring
+	ceph-authtool --create-keyring "$kr" --gen-key -n mon. --cap mon 'allow *' >/dev/null
+	ceph-authtool "$kr" --gen-key -n client.admin --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' >/dev/null
+	ceph-authtool "$kr" --gen-key -n mgr.x --cap mon 'allow profile mgr' --cap osd 'allow *' >/dev/null
+	ceph-authtool "$kr" --gen-key -n osd.0 --cap mon 'allow profile osd' --cap mgr 'allow profile osd' --cap osd 'allow *' >/dev/null
+	ceph-mon -c "$conf" -i a --mkfs --monmap "$dir/monmap" --keyring "$kr" >"$dir/log/mon.mkfs.out" 2>&1 ||
 		die "ceph-mon --mkfs failed: $(cat "$dir/log/mon.mkfs.out")"
 	daemon mon.a ceph-mon -i a
 	until_ok "the mon" ceph -c "$conf" --connect-timeout 5 mon stat
@@ -146,10 +157,10 @@ osd_pid() {
 
 case "${1:-}" in
 start)
-	[ $# = 3 ] || die "usage: $0 start DIR PORT"
+	[ $# = 3 ] || [ $# = 4 ] || die "usage: $0 start DIR PORT [cephx]"
 	# A start that fails stops what it started.
 	trap 'stop "$2"' EXIT
-	start "$2" "$3"
+	start "$2" "$3" "${4:-none}"
 	trap - EXIT
 	;;
 stop)
@@ -175,5 +186,5 @@ start-osd)
 	until_ok "the pool to take images" rbd -c "$conf" create --size 1M rbd/probe
 	rbd -c "$conf" rm rbd/probe >/dev/null 2>&1
 	;;
-*) die "usage: $0 start DIR PORT | stop DIR | kill-osd DIR | start-osd DIR" ;;
+*) die "usage: $0 start DIR PORT [cephx] | stop DIR | kill-osd DIR | start-osd DIR" ;;
 esac

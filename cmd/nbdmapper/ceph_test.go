@@ -289,6 +289,39 @@ func TestServeCeph(t *testing.T) {
 	})
 }
 
+// TestServeCephx serves an image of a cluster that requires cephx, as a
+// user of its own named in the device (id=, keyring=) with only RBD's
+// rights to one pool: the table checks and serves, and the bytes reach the
+// image; without the keyring the user cannot connect.
+func TestServeCephx(t *testing.T) {
+	nbdtest.Python(t)
+	dir := nbdtest.ShortDir(t)
+	cbin := filepath.Join(dir, "nbdmapper-ceph")
+	if out, err := exec.Command("go", "build", "-tags", cephTags, "-o", cbin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build -tags %s: %v\n%s", cephTags, err, out)
+	}
+	c := cephtest.StartCephx(t)
+	const size = 4 << 20
+	dev := c.CreateImage(t, "img", size)
+	keyring := c.User(t, "nbdm")
+	writeFile(t, filepath.Join(dir, "user.table"), fmt.Sprintf("0 8192 linear %s:id=nbdm:keyring=%s 0\n", dev, keyring))
+	writeFile(t, filepath.Join(dir, "nokey.table"), fmt.Sprintf("0 8192 linear %s:id=nbdm 0\n", dev))
+	if out, err := cmd2In(cbin, dir, "check", "--connect", "user.table"); err != nil {
+		t.Fatalf("check --connect as client.nbdm: %v\n%s", err, out)
+	}
+	if out, err := cmd2In(cbin, dir, "check", "--connect", "--remote-timeout", "5s", "nokey.table"); err == nil || !strings.Contains(out, "nokey.table:1: ") || !strings.Contains(out, "connect") {
+		t.Errorf("check --connect as client.nbdm without its keyring: %v\n%s\nwant a failure to connect", err, out)
+	}
+	s := serveBin(t, cbin, dir, "user=user.table")
+	nbdsh(t, s.URI("user"), "h.pwrite(b'k' * (1 << 20), 4096)\nh.flush()\nassert h.pread(1 << 20, 4096) == b'k' * (1 << 20)")
+	s.Stop(t)
+	want := make([]byte, size)
+	copy(want[4096:], bytes.Repeat([]byte{'k'}, 1<<20))
+	if got := export(t, c, "img"); !bytes.Equal(got, want) {
+		t.Errorf("rbd export of the image differs from what client.nbdm wrote")
+	}
+}
+
 // scrapeText is a scrape of addr/metrics.
 func scrapeText(t *testing.T, addr string) string {
 	t.Helper()

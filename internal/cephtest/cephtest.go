@@ -50,6 +50,19 @@ func script() string {
 // skipping it.
 func Start(t testing.TB) *Cluster {
 	t.Helper()
+	return start(t, "none")
+}
+
+// StartCephx is Start with cephx required: the conf names a keyring with
+// client.admin's key, which the ceph and rbd tools use; User makes the
+// keys of others.
+func StartCephx(t testing.TB) *Cluster {
+	t.Helper()
+	return start(t, "cephx")
+}
+
+func start(t testing.TB, auth string) *Cluster {
+	t.Helper()
 	for tool, pkg := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
 			t.Fatalf("%s not installed (Debian package %s; scripts/test.sh installs it)", tool, pkg)
@@ -69,7 +82,7 @@ func Start(t testing.TB) *Cluster {
 		os.RemoveAll(dir)
 	})
 	port := freePorts(t, 21)
-	out, err := exec.Command(script(), "start", dir, fmt.Sprint(port)).CombinedOutput()
+	out, err := exec.Command(script(), "start", dir, fmt.Sprint(port), auth).CombinedOutput()
 	if err != nil {
 		t.Fatalf("ceph-cluster.sh start: %v\n%s\n%s", err, out, c.Logs())
 	}
@@ -124,6 +137,15 @@ func (c *Cluster) CreateImage(t testing.TB, name string, size int64) string {
 	t.Helper()
 	c.RBD(t, "create", "--size", fmt.Sprintf("%dB", size), "rbd/"+name)
 	return c.Device(name)
+}
+
+// User makes cephx user client.NAME with the rights RBD clients of pool
+// rbd need (`profile rbd`), and returns the path of its keyring.
+func (c *Cluster) User(t testing.TB, name string) string {
+	t.Helper()
+	keyring := filepath.Join(c.Dir, name+".keyring")
+	c.Ceph(t, "auth", "get-or-create", "client."+name, "mon", "profile rbd", "osd", "profile rbd pool=rbd", "-o", keyring)
+	return keyring
 }
 
 // Device is the table device for image (or image@snap) in pool rbd.
