@@ -33,7 +33,9 @@ const cephTags = "ceph,pacific"
 // rbd_flush per written image however many lines map it, merged trims
 // free the images' space (rbd du), write zeroes reads back as zeros and
 // frees it too, block status answers RBD's unallocated objects as holes,
-// and a snapshot is served read-only.
+// a snapshot target keeps its writes off its origin image, an RBD snapshot
+// is served read-only, and across an OSD crash and restart the failure
+// rules of remote devices hold (docs/ceph.md, "Failures").
 func TestServeCeph(t *testing.T) {
 	nbdtest.Python(t)
 	dir := nbdtest.ShortDir(t)
