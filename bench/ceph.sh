@@ -15,8 +15,8 @@
 # image vs a table striped (1 MiB chunks) over four: 1M sequential and 4k
 # random at queue depth 16. All on the one OSD here, so the striped rows
 # show the client's parallelism, not the cluster's. Cases take turns within
-# each repetition; the table shows medians, and nbdmapper's rows the
-# rbd_flush calls per client flush and, for a whole-device trim of the
+# each repetition; the table shows medians and each repetition's ratio,
+# the rbd_flush calls per client flush and, for a whole-device trim of the
 # 1024-line table, the rbd_discard calls. Leaves fio's JSON, the server
 # logs and table.md in bench/results/ceph-*/.
 set -euo pipefail
@@ -118,18 +118,23 @@ def stats(prefix):
             flushes += int(m[1]); syncs += int(m[2])
     return f"{syncs / flushes:.2f}" if flushes else "-"
 
-print("| workload | nbdmapper IOPS | qemu-nbd IOPS | nbdmapper / qemu-nbd | rbd_flush per client flush |")
-print("|---|---:|---:|---:|---:|")
+# The ratio within each repetition, where the two cases ran back to back:
+# the cluster's speed drifts through a run, so it is the figure to read.
+def ratios(a, b, kind, key):
+    return ", ".join(f"{job(f'{a}-{r}')[kind][key] / job(f'{b}-{r}')[kind][key]:.2f}" for r in range(1, reps + 1))
+
+print("| workload | nbdmapper IOPS | qemu-nbd IOPS | median ratio | ratio per repetition | rbd_flush per client flush |")
+print("|---|---:|---:|---:|---|---:|")
 for w, name, kind in [("w16", "4k random write", "write"), ("f16", "4k random write, fsync=1", "write"), ("r16", "4k random read", "read")]:
     a, b = med(f"{w}-nbdmapper", kind, "iops"), med(f"{w}-qemu-nbd", kind, "iops")
-    print(f"| {name} | {a:.0f} | {b:.0f} | {a / b:.2f} | {stats(f'{w}-nbdmapper') if w == 'f16' else '-'} |")
+    print(f"| {name} | {a:.0f} | {b:.0f} | {a / b:.2f} | {ratios(f'{w}-nbdmapper', f'{w}-qemu-nbd', kind, 'iops')} | {stats(f'{w}-nbdmapper') if w == 'f16' else '-'} |")
 print()
-print("| reads through nbdmapper | one image | striped over 4 | 4 / 1 |")
-print("|---|---:|---:|---:|")
+print("| reads through nbdmapper | one image | striped over 4 | median ratio | ratio per repetition |")
+print("|---|---:|---:|---:|---|")
 a, b = med("seq-one", "read", "bw_bytes") / 2**20, med("seq-str", "read", "bw_bytes") / 2**20
-print(f"| 1M sequential, MiB/s | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+print(f"| 1M sequential, MiB/s | {a:.0f} | {b:.0f} | {b / a:.2f} | {ratios('seq-str', 'seq-one', 'read', 'bw_bytes')} |")
 a, b = med("rnd-one", "read", "iops"), med("rnd-str", "read", "iops")
-print(f"| 4k random, IOPS | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+print(f"| 4k random, IOPS | {a:.0f} | {b:.0f} | {b / a:.2f} | {ratios('rnd-str', 'rnd-one', 'read', 'iops')} |")
 print()
 m = re.search(r'msg="discard stats" ranges_in=(\d+) calls=(\d+)', open(f"{out}/trim.log").read())
 print(f"One trim of the whole 1024-line table: {m[1]} ranges in, {m[2]} rbd_discard calls; rbd du afterwards: {used} bytes used.")
