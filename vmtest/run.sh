@@ -3,7 +3,7 @@
 # in it, so that nbdmapper can be tested through the real kernel nbd driver,
 # dm-linear and ext4, which the host kernel may not have.
 #
-#   vmtest/run.sh [-o OUTDIR] [-d DISK_MiB] [-m MEM_MiB] [-t TIMEOUT_S] [-k] SCRIPT [ARGS...]
+#   vmtest/run.sh [-o OUTDIR] [-d DISK_MiB] [-m MEM_MiB] [-t TIMEOUT_S] [-k] [-s SOCKET] SCRIPT [ARGS...]
 #
 # The guest:
 #   - runs Debian's linux-image-amd64 (downloaded with apt-get download and
@@ -20,7 +20,10 @@
 #   - has OUTDIR shared read-write at /tmp/vmout ($VMOUT), with the freshly
 #     built nbdmapper (or a copy of $NBDMAPPER_BIN) at $VMOUT/nbdmapper
 #     ($NBDMAPPER);
-#   - has no network; /tmp, /run and /var/tmp are tmpfs.
+#   - has no network; /tmp, /run and /var/tmp are tmpfs;
+#   - with -s, has one stream to the host's unix socket SOCKET (a server
+#     there, listening before the boot): the virtio-serial port named
+#     "host" (/sys/class/virtio-ports/*/name), the guest's only way out.
 # QEMU's pid is in OUTDIR/qemu.pid while it runs (power cuts kill it). The
 # kernel's own log goes to OUTDIR/kernel.log, not to the console. A boot that
 # hangs before /init runs is tried again (see the watchdog below).
@@ -35,14 +38,15 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 cache=${VMTEST_CACHE:-$here/cache}
-out="" disk_mb=256 mem_mb=2048 timeout_s=1200 keep_disk=0
-while getopts "o:d:m:t:k" opt; do
+out="" disk_mb=256 mem_mb=2048 timeout_s=1200 keep_disk=0 host_sock=""
+while getopts "o:d:m:t:ks:" opt; do
 	case $opt in
 	o) out=$OPTARG ;;
 	d) disk_mb=$OPTARG ;;
 	m) mem_mb=$OPTARG ;;
 	t) timeout_s=$OPTARG ;;
 	k) keep_disk=1 ;;
+	s) host_sock=$(realpath "$OPTARG") ;;
 	*) exit 2 ;;
 	esac
 done
@@ -101,7 +105,7 @@ kver=$(ls "$kdir/lib/modules" | head -1)
 vmlinuz=$kdir/boot/vmlinuz-$kver
 
 # initramfs: busybox, the modules below with their dependencies, /init.
-modules=(virtio_pci virtio_blk 9pnet_virtio 9p crc32c_generic crc32c-intel ext4 nbd dm-mod dm-snapshot dm-zero)
+modules=(virtio_pci virtio_blk virtio_console 9pnet_virtio 9p crc32c_generic crc32c-intel ext4 nbd dm-mod dm-snapshot dm-zero)
 initrd=$cache/initramfs-$kver.cpio.gz
 stamp=$(cat "$here/guest/init" "$0" | sha256sum | cut -c1-16)
 if [ ! -f "$initrd" ] || [ "$(cat "$initrd.stamp" 2>/dev/null)" != "$stamp" ]; then
@@ -170,6 +174,10 @@ script=/tmp/vmout/guest/$(basename "$script")
 	printf '\n'
 } >"$out/job.sh"
 
+host_port=()
+[ -z "$host_sock" ] || host_port=(-device virtio-serial-pci -chardev socket,id=host,path="$host_sock"
+	-device virtserialport,chardev=host,name=host)
+
 cpus=$(nproc)
 [ "$cpus" -le 2 ] || cpus=2
 
@@ -193,7 +201,7 @@ boot() {
 		-virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
 		-virtfs local,path="$out",mount_tag=vmout,security_model=none,multidevs=remap \
 		-drive file="$out/disk.img",if=virtio,format=raw,cache=writeback,discard=unmap \
-		</dev/null 2>&1 | tee "$out/console.log"
+		"${host_port[@]}" </dev/null 2>&1 | tee "$out/console.log"
 	return "${PIPESTATUS[0]}"
 }
 
