@@ -601,8 +601,9 @@ test_remote() {
 # snapshot's bytes.
 merge_rate=512K
 
-# nstatus NAME: nbdmapper status's line for device NAME, without the name.
-nstatus() { "$NBDMAPPER" status --metrics 127.0.0.1:9810 | sed -n "s/^$1: //p"; }
+# nstatus NAME: nbdmapper status's target lines for device NAME, without
+# the name (not its failed, remote or merged: lines).
+nstatus() { "$NBDMAPPER" status --metrics 127.0.0.1:9810 | sed -n "s/^$1: \([0-9]\)/\1/p"; }
 
 # merge_state LINE: "mid", "done" or "start" for a snapshot(-merge) status
 # line "<start> <len> <target> <alloc>/<total> <meta>", against the
