@@ -14,7 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // hangingDisk makes Files hang on cue, as a disk that stops answering

@@ -32,7 +32,7 @@
 # stats at shutdown: the commits' and the flushes') over fio's writes.
 #
 # Then, unless GUEST=0, bench/snapshot-guest.sh runs the 16-job and
-# iodepth-32 first writes in the vmtest guest (vmtest/run.sh, QEMU TCG),
+# iodepth-32 first writes in the vmtest guest (internal/testing/vmtest/run.sh, QEMU TCG),
 # on the kernel's dm-linear and dm-snapshot and on nbdmapper through
 # /dev/nbd0, over the same virtio disk, for the kernel's figures.
 #
@@ -169,7 +169,7 @@ PY
 
 if [ "${GUEST:-1}" != 0 ]; then
 	set +e
-	vmtest/run.sh -o "$out/vm" -d 2048 -t 3600 bench/snapshot-guest.sh "$guest_runtime" "$guest_reps" >"$out/guest.log"
+	internal/testing/vmtest/run.sh -o "$out/vm" -d 2048 -t 3600 bench/snapshot-guest.sh "$guest_runtime" "$guest_reps" >"$out/guest.log"
 	rc=$?
 	set -e
 	rm -f "$out/vm/disk.img"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Kernel-level flush benchmark in a guest VM (vmtest/run.sh): fio 4k random
+# Kernel-level flush benchmark in a guest VM (internal/testing/vmtest/run.sh): fio 4k random
 # writes with fdatasync=1 (ioengine sync, 2 jobs) on /dev/nbd0 served by
 # nbdmapper over 1 and 1024 linear segments, and on the guest kernel's own
 # dm-linear over the same 1 and 1024 segments of the same virtio disk
@@ -23,7 +23,7 @@ shift 2 || shift $#
 out=bench/results/vm-$(date +%Y%m%d-%H%M%S)
 mkdir -p "$out"
 set +e
-vmtest/run.sh -o "$out" -d 1024 -t 3600 bench/vm-guest.sh "$runtime" "$reps" "$@" >"$out/guest.log"
+internal/testing/vmtest/run.sh -o "$out" -d 1024 -t 3600 bench/vm-guest.sh "$runtime" "$reps" "$@" >"$out/guest.log"
 rc=$?
 set -e
 if [ "$rc" != 0 ]; then

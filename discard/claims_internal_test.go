@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // holdFirst holds its first Discard until release is closed.

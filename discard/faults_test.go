@@ -11,7 +11,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
-	"github.com/nbdmapper/nbdmapper/internal/fault"
+	"github.com/nbdmapper/nbdmapper/internal/testing/fault"
 )
 
 // faultyFiles opens two real sparse files, a.img and b.img, each behind a

@@ -8,8 +8,8 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
-	"github.com/nbdmapper/nbdmapper/internal/fault"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/fault"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // gated is a recorded in-memory device whose first discard is held by a

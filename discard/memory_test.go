@@ -8,7 +8,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/discard"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // Write-zeroes on a device without native zeroing writes zeros from one

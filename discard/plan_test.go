@@ -5,7 +5,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/golden"
+	"github.com/nbdmapper/nbdmapper/internal/testing/golden"
 )
 
 // limited is an in-memory device with chosen discard limits.

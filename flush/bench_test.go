@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // BenchmarkWriteFUA runs concurrent 4k FUA writes (RWF_DSYNC) on a real

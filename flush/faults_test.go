@@ -10,8 +10,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/fault"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/fault"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // fileDisk is a real sparse file behind a backing.Faulty, tracked by an

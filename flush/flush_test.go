@@ -14,9 +14,9 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/fault"
-	"github.com/nbdmapper/nbdmapper/internal/golden"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/fault"
+	"github.com/nbdmapper/nbdmapper/internal/testing/golden"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 	"golang.org/x/sys/unix"
 )
 

@@ -8,7 +8,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/flush"
-	"github.com/nbdmapper/nbdmapper/internal/fault"
+	"github.com/nbdmapper/nbdmapper/internal/testing/fault"
 )
 
 // A device whose sync failed reads 1 in nbdmapper_device_failed, and stays

@@ -19,7 +19,7 @@ import (
 	"golang.org/x/crypto/bcrypt"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // promServer is a real Prometheus server on loopback, scraping one target

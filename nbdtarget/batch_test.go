@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 	"github.com/nbdmapper/nbdmapper/wire"
 )
 

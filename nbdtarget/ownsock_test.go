@@ -19,7 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 	"github.com/nbdmapper/nbdmapper/wire"
 )
 

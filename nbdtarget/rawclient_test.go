@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 	"github.com/nbdmapper/nbdmapper/wire"
 )
 

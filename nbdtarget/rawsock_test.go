@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // rawSocketPair returns the server end of a unix socket connection as the

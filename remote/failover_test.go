@@ -9,7 +9,7 @@ import (
 
 	"github.com/nbdmapper/nbdmapper/backing"
 	"github.com/nbdmapper/nbdmapper/flush"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // TestRetryAfterRestart kills the remote while a write is in flight on it

@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // shortDir is a directory for unix sockets.

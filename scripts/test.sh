@@ -40,7 +40,7 @@ packages=(
 	librados-dev
 	gcc             # cgo, for go-ceph
 	qemu-block-extra # qemu-nbd rbd:, bench/ceph.sh's peer
-	socat           # the guest's bridge to the host's server (vmtest/guest/ceph.sh)
+	socat           # the guest's bridge to the host's server (internal/testing/vmtest/guest/ceph.sh)
 )
 sudo=""
 [ "$(id -u)" = 0 ] || sudo=sudo
@@ -71,9 +71,9 @@ go test -race -count=1 -timeout 60m ./...
 # rbd: devices need cgo and librbd, so they build only with -tags ceph (and
 # go-ceph's pacific for Debian 12's Ceph 16); TestServeCeph starts a cluster
 # of its own (scripts/ceph-cluster.sh) and stops it at the end.
-go vet -tags ceph,pacific ./rbd/ ./cmd/nbdmapper/ ./vmtest/
+go vet -tags ceph,pacific ./rbd/ ./cmd/nbdmapper/ ./internal/testing/vmtest/
 go test -race -count=1 -tags ceph,pacific ./rbd/
-go test -race -count=1 -tags ceph,pacific -run Ceph ./cmd/nbdmapper/ ./vmtest/
+go test -race -count=1 -tags ceph,pacific -run Ceph ./cmd/nbdmapper/ ./internal/testing/vmtest/
 # The race detector makes sync.Pool drop items at random, so allocation
 # counts of pooled paths are checked without it (nbdtest.AllocsPerRun).
 go test -count=1 -run Allocs ./...

@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/golden"
+	"github.com/nbdmapper/nbdmapper/internal/testing/golden"
 )
 
 // goldenSeq is a small known sequence of writes on a snapshot and its

@@ -17,7 +17,7 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // TestServeCrash is TestCrashSIGKILL through the real server: `nbdmapper

@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/golden"
+	"github.com/nbdmapper/nbdmapper/internal/testing/golden"
 )
 
 // loc is where one virtual sector lives, computed without the mapping code.

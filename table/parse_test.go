@@ -15,7 +15,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/golden"
+	"github.com/nbdmapper/nbdmapper/internal/testing/golden"
 )
 
 func TestParseErrors(t *testing.T) {

@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // TestParseWithPool parses a table over real sparse files through a

@@ -17,9 +17,9 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/internal/cephtest"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/cephtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // cephTags are the tags the Ceph tests build the binary with: ours, and

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 const completionDir = "../../deploy/completion"

@@ -15,9 +15,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/netns"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/netns"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // The multi-host topology (docs/remote.md): four "hosts", each a network

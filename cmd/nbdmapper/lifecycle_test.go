@@ -20,8 +20,8 @@ import (
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/control"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // lifecycle runs `nbdmapper OP ARGS... --control CTL` and returns its output.

@@ -19,8 +19,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
 

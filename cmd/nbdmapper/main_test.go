@@ -13,8 +13,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // The tests run the real binary, as users do.

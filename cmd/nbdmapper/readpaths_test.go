@@ -17,8 +17,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // A differential test of every way the server answers a read (issue 47):

@@ -12,8 +12,8 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // TestServeRemote serves tables over two nbdkit remotes (unix sockets)

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // TestServeSplice reads a megabyte of a written file through `serve` and

@@ -14,8 +14,8 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 	"github.com/nbdmapper/nbdmapper/nbdtarget"
 )
 

@@ -16,7 +16,7 @@ out=$(mktemp -d /tmp/snapkernel.XXXXXX)
 # so every chunk differs and the fixtures compress well.
 awk 'BEGIN { for (c = 0; c < 512; c++) for (l = 0; l < 256; l++) printf "orig chunk %04d\n", c }' >"$out/origin-initial.img"
 (cd "$repo" && go test ./snapshot/ -run TestKernelInputs -kernel-inputs "$out")
-"$repo/vmtest/run.sh" -o "$out" -d 16 "$here/guest.sh"
+"$repo/internal/testing/vmtest/run.sh" -o "$out" -d 16 "$here/guest.sh"
 for f in k-cow.img k-origin.img k-view.img n-kview.img n-cow-after.img; do
 	gzip -9 -n -c "$out/$f" >"$here/$f.gz"
 done

@@ -24,7 +24,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/internal/sparse"
+	"github.com/nbdmapper/nbdmapper/internal/testing/sparse"
 )
 
 // Deadline bounds every wait. It only fires when something hangs.
@@ -144,7 +144,7 @@ func (l *PanicLog) Check(t testing.TB, want int) {
 		t.Fatalf("OnPanic saw %d panics (%v), want %d", len(l.values), l.values, want)
 	}
 	for _, s := range l.stacks {
-		if !strings.Contains(s, "internal/fault/fault.go") {
+		if !strings.Contains(s, "internal/testing/fault/fault.go") {
 			t.Fatalf("reported stack is not the panicking goroutine's:\n%s", s)
 		}
 	}

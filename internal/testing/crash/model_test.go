@@ -3,7 +3,7 @@ package crash_test
 import (
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/crash"
+	"github.com/nbdmapper/nbdmapper/internal/testing/crash"
 )
 
 // TestModelCheck walks one sector through the worked example of Model's

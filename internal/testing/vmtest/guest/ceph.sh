@@ -1,5 +1,5 @@
 # ext4 on the kernel's nbd driver over a table of Ceph RBD images, run by
-# vmtest/run.sh -s for TestGuestCeph (vmtest/ceph_test.go). The cluster and
+# internal/testing/vmtest/run.sh -s for TestGuestCeph (internal/testing/vmtest/ceph_test.go). The cluster and
 # the nbdmapper serving the table run on the host; the guest reaches that
 # server through the virtio-serial port "host", bridged to a unix socket
 # by socat. nbd-client attaches export d once (the port carries one

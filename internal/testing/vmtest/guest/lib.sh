@@ -1,4 +1,4 @@
-# Helpers for scripts that run inside the vmtest guest (vmtest/run.sh):
+# Helpers for scripts that run inside the vmtest guest (internal/testing/vmtest/run.sh):
 # tables over the scratch disk, serving and attaching with nbdmapper, and
 # the kernel's per-device I/O counters. Sourced, not run.
 

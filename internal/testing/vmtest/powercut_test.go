@@ -31,7 +31,7 @@ func TestPowerCut(t *testing.T) {
 		t.Skip("guest VM power cuts skipped in -short mode")
 	}
 	if _, err := exec.LookPath("bash"); err != nil {
-		t.Skip("no bash to run vmtest/run.sh")
+		t.Skip("no bash to run internal/testing/vmtest/run.sh")
 	}
 	seed := rand.Uint64()
 	t.Logf("seed %d", seed)

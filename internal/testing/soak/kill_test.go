@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 var (

@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/nbdmapper/nbdmapper/backing"
-	"github.com/nbdmapper/nbdmapper/crash"
+	"github.com/nbdmapper/nbdmapper/internal/testing/crash"
 )
 
 func sectors(b ...byte) []byte {

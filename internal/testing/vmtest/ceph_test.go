@@ -13,8 +13,8 @@ import (
 	"regexp"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/internal/cephtest"
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/cephtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // TestGuestCeph mounts ext4 in the guest on /dev/nbd0 over a table of two
@@ -32,7 +32,7 @@ func TestGuestCeph(t *testing.T) {
 	}
 	dir := nbdtest.ShortDir(t)
 	bin := filepath.Join(dir, "nbdmapper-ceph")
-	if out, err := exec.Command("go", "build", "-tags", "ceph,pacific", "-o", bin, "../cmd/nbdmapper").CombinedOutput(); err != nil {
+	if out, err := exec.Command("go", "build", "-tags", "ceph,pacific", "-o", bin, "../../../cmd/nbdmapper").CombinedOutput(); err != nil {
 		t.Fatalf("go build -tags ceph,pacific: %v\n%s", err, out)
 	}
 	c := cephtest.Start(t)

@@ -41,7 +41,7 @@ var tools = map[string]string{
 // script is scripts/ceph-cluster.sh of this checkout.
 func script() string {
 	_, file, _, _ := runtime.Caller(0)
-	return filepath.Join(filepath.Dir(file), "..", "..", "scripts", "ceph-cluster.sh")
+	return filepath.Join(filepath.Dir(file), "..", "..", "..", "scripts", "ceph-cluster.sh")
 }
 
 // Start brings a cluster up in a new temporary directory and stops it

@@ -1,5 +1,5 @@
-# Power cuts through the real kernel, run by vmtest/run.sh for
-# TestPowerCut (vmtest/powercut_test.go) and bench/powercut.sh.
+# Power cuts through the real kernel, run by internal/testing/vmtest/run.sh for
+# TestPowerCut (internal/testing/vmtest/powercut_test.go) and bench/powercut.sh.
 #
 #   powercut.sh [verify EPOCH RAW FS] [write EPOCH]
 #

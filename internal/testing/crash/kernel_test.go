@@ -10,7 +10,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/nbdmapper/nbdmapper/crash"
+	"github.com/nbdmapper/nbdmapper/internal/testing/crash"
 )
 
 // kernelSamples is how many crash images of the snapshot workload the
@@ -21,14 +21,14 @@ const kernelSamples = 8
 // store against the kernel's: a sample of the crash images of the snapshot
 // workload (every 70th with volatile writes persisted) goes to
 // the vmtest guest, where dm-snapshot loads each COW image over its origin
-// image (vmtest/guest/crashimages.sh); its status line and the bytes it
+// image (internal/testing/vmtest/guest/crashimages.sh); its status line and the bytes it
 // reads must be nbdmapper's. It boots a VM (a minute or two under TCG).
 func TestKernelReadsCrashImages(t *testing.T) {
 	if testing.Short() {
 		t.Skip("guest VM test skipped in -short mode")
 	}
 	if _, err := exec.LookPath("bash"); err != nil {
-		t.Skip("no bash to run vmtest/run.sh")
+		t.Skip("no bash to run internal/testing/vmtest/run.sh")
 	}
 	var w workload
 	var chunk string

@@ -1,5 +1,5 @@
 # The guest test suite: nbdmapper through the real kernel nbd driver, run
-# by vmtest/run.sh (and TestGuest). Each test prints one line
+# by internal/testing/vmtest/run.sh (and TestGuest). Each test prints one line
 #	VMTEST-RESULT <name> PASS|FAIL|SKIP <detail>
 # and figures as
 #	VMTEST-METRIC <name>=<value>

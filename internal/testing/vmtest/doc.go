@@ -4,7 +4,7 @@
 // as /dev/nbd0 there, next to the kernel's own dm-linear.
 //
 //	guest: mkfs / fio / dmsetup -> /dev/nbd0 -> nbdmapper serve -> /dev/vda
-//	host:  vmtest/run.sh -> qemu-system-x86_64 -> OUTDIR/disk.img
+//	host:  internal/testing/vmtest/run.sh -> qemu-system-x86_64 -> OUTDIR/disk.img
 //
 // TestGuest runs guest/tests.sh and turns each VMTEST-RESULT line of the
 // guest's console into a subtest. The package has no code of its own.

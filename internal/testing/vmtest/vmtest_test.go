@@ -52,7 +52,7 @@ func TestGuest(t *testing.T) {
 		t.Skip("guest VM suite skipped in -short mode")
 	}
 	if _, err := exec.LookPath("bash"); err != nil {
-		t.Skip("no bash to run vmtest/run.sh")
+		t.Skip("no bash to run internal/testing/vmtest/run.sh")
 	}
 	out := t.TempDir()
 	cmd := exec.Command("bash", "run.sh", "-o", out, "guest/tests.sh")
@@ -156,7 +156,7 @@ func TestBootWatchdog(t *testing.T) {
 		t.Skip("guest VM boots skipped in -short mode")
 	}
 	if _, err := exec.LookPath("bash"); err != nil {
-		t.Skip("no bash to run vmtest/run.sh")
+		t.Skip("no bash to run internal/testing/vmtest/run.sh")
 	}
 	dir := t.TempDir()
 	script := dir + "/hello.sh"

@@ -10,7 +10,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/nbdmapper/nbdmapper/internal/nbdtest"
+	"github.com/nbdmapper/nbdmapper/internal/testing/nbdtest"
 )
 
 // A raw, pipelined NBD client written from proto.md: fixed newstyle with

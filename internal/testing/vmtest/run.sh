@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# vmtest/run.sh boots a throw-away Linux guest under QEMU and runs one script
+# internal/testing/vmtest/run.sh boots a throw-away Linux guest under QEMU and runs one script
 # in it, so that nbdmapper can be tested through the real kernel nbd driver,
 # dm-linear and ext4, which the host kernel may not have.
 #
-#   vmtest/run.sh [-o OUTDIR] [-d DISK_MiB] [-m MEM_MiB] [-t TIMEOUT_S] [-k] [-s SOCKET] SCRIPT [ARGS...]
+#   internal/testing/vmtest/run.sh [-o OUTDIR] [-d DISK_MiB] [-m MEM_MiB] [-t TIMEOUT_S] [-k] [-s SOCKET] SCRIPT [ARGS...]
 #
 # The guest:
 #   - runs Debian's linux-image-amd64 (downloaded with apt-get download and
-#     unpacked into vmtest/cache, never installed on the host) under TCG;
+#     unpacked into internal/testing/vmtest/cache, never installed on the host) under TCG;
 #     nested KVM hangs at boot on the machines this was written for;
 #   - boots a busybox initramfs that loads virtio, 9p, nbd, dm-mod,
 #     dm-snapshot and ext4 (with their dependencies), mounts the host's root
@@ -36,7 +36,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(cd "$here/.." && pwd)
+repo=$(cd "$here/../../.." && pwd)
 cache=${VMTEST_CACHE:-$here/cache}
 out="" disk_mb=256 mem_mb=2048 timeout_s=1200 keep_disk=0 host_sock=""
 while getopts "o:d:m:t:ks:" opt; do
@@ -162,7 +162,7 @@ fi
 # there (CI clones into a temporary folder): always bring the script along,
 # with the guest library beside it, in the shared folder.
 mkdir -p "$out/guest"
-cp "$repo/vmtest/guest/lib.sh" "$out/guest/lib.sh"
+cp "$here/guest/lib.sh" "$out/guest/lib.sh"
 cp "$script" "$out/guest/$(basename "$script")"
 script=/tmp/vmout/guest/$(basename "$script")
 {

@@ -52,7 +52,7 @@ var (
 	flagHoleLag  = flag.Float64("soak.holelag", 1.0/20, "probability that a disk's hole answer is delayed after the disk computed it, so that writes race the hole map's query")
 )
 
-// bound turns a hang into a failure; see internal/nbdtest.Bound.
+// bound turns a hang into a failure; see internal/testing/nbdtest.Bound.
 const bound = 60 * time.Second
 
 // The table of export "main" (sectors), and export "org", the origin of
