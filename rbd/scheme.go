@@ -2,8 +2,6 @@ package rbd
 
 import (
 	"errors"
-	"fmt"
-	"math"
 	"time"
 
 	"github.com/nbdmapper/nbdmapper/backing"
@@ -63,7 +61,7 @@ func (s *Scheme) Open(name string, readOnly bool) (backing.Device, error) {
 		return nil, ErrNoCeph
 	}
 	if s.Unconnected {
-		return &unconnected{name: name, id: backing.ID{URI: n.String()}}, nil
+		return backing.Unconnected(name, backing.ID{URI: n.String()}), nil
 	}
 	opt := s.Options
 	if opt.Timeout <= 0 {
@@ -71,27 +69,3 @@ func (s *Scheme) Open(name string, readOnly bool) (backing.Device, error) {
 	}
 	return open(name, n, readOnly || n.Snap != "", opt)
 }
-
-// errUnconnected fails I/O on a device opened by an Unconnected scheme.
-var errUnconnected = errors.New("not connected: the table was only checked")
-
-// unconnected stands in for an image while a table is checked without
-// connecting: nothing is known of it but its name.
-type unconnected struct {
-	name string
-	id   backing.ID
-}
-
-func (u *unconnected) err() error { return fmt.Errorf("%s: %w", u.name, errUnconnected) }
-
-func (u *unconnected) Name() string                                { return u.name }
-func (u *unconnected) ID() backing.ID                              { return u.id }
-func (u *unconnected) Size() int64                                 { return math.MaxInt64 / 512 * 512 }
-func (u *unconnected) ReadAt([]byte, int64) (int, error)           { return 0, u.err() }
-func (u *unconnected) WriteAt([]byte, int64) (int, error)          { return 0, u.err() }
-func (u *unconnected) Sync() error                                 { return u.err() }
-func (u *unconnected) Discard(int64, int64) error                  { return u.err() }
-func (u *unconnected) Zero(int64, int64, bool) error               { return u.err() }
-func (u *unconnected) Holes(int64, int64) ([]backing.Range, error) { return nil, u.err() }
-func (u *unconnected) Limits() backing.Limits                      { return backing.Limits{Granularity: 1} }
-func (u *unconnected) Close() error                                { return nil }
