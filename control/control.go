@@ -407,10 +407,10 @@ func (o opener) Release(d backing.Device) error {
 
 // stacksOn reports whether d is self or is built, at any depth, on self:
 // whether its table, active or loaded, names /dev/mapper/<self> or a
-// device that does. (Targets hand out the real devices below them, not the
-// mapped devices they stack on, so the table's arguments tell.) Each
-// device is looked at once, so that a stack of diamonds costs its size,
-// not its number of paths. s.mu must be held.
+// device that does, read from the tables' arguments: the stacking graph
+// is not kept anywhere else yet. Each device is looked at once, so that a
+// stack of diamonds costs its size, not its number of paths. s.mu must be
+// held.
 func (s *Server) stacksOn(d, self *mapped.Device) bool {
 	seen := make(map[*mapped.Device]bool)
 	var on func(d *mapped.Device) bool
