@@ -75,9 +75,15 @@ func (p *Pool) readNode(blk uint64, valueSize int, what string) (node, error) {
 // lookup finds key in the btree rooted at root and returns its value,
 // copied out of the block.
 func (p *Pool) lookup(root uint64, key uint64, valueSize int, what string) ([]byte, bool, error) {
+	return lookupIn(func(blk uint64) (node, error) { return p.readNode(blk, valueSize, what) }, root, key, what)
+}
+
+// lookupIn is lookup over the nodes read gives: the committed tree's
+// (Pool) or a transaction's (Writer).
+func lookupIn(read func(blk uint64) (node, error), root, key uint64, what string) ([]byte, bool, error) {
 	blk := root
 	for depth := 0; depth < maxDepth; depth++ {
-		n, err := p.readNode(blk, valueSize, what)
+		n, err := read(blk)
 		if err != nil {
 			return nil, false, err
 		}

@@ -23,6 +23,23 @@ type memDevice struct {
 	mappings map[uint64]Mapping
 }
 
+// insertNew maps vblock v of device id (d in the model) to a newly
+// allocated data block, in w and in the model alike.
+func (m *memPool) insertNew(t *testing.T, w *Writer, d *memDevice, id, v uint64) {
+	t.Helper()
+	db, err := w.AllocData()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Insert(id, v, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := d.mappings[v]; !ok {
+		d.d.MappedBlocks++
+	}
+	d.mappings[v] = Mapping{VBlock: v, DBlock: db, Time: m.time}
+}
+
 func (m *memPool) clone() *memPool {
 	c := &memPool{time: m.time, trans: m.trans, devices: map[uint64]*memDevice{}}
 	for id, d := range m.devices {
@@ -226,17 +243,7 @@ func writerRandom(t *testing.T, seed uint64) {
 				id, d := randDev()
 				start, n := uint64(rng.IntN(60000)), uint64(1+rng.IntN(100))
 				for v := start; v < start+n; v++ {
-					db, err := w.AllocData()
-					if err != nil {
-						t.Fatal(err)
-					}
-					if err := w.Insert(id, v, db); err != nil {
-						t.Fatal(err)
-					}
-					if _, ok := d.mappings[v]; !ok {
-						d.d.MappedBlocks++
-					}
-					d.mappings[v] = Mapping{VBlock: v, DBlock: db, Time: m.time}
+					m.insertNew(t, w, d, id, v)
 					ops["insert"]++
 				}
 			}
@@ -423,17 +430,7 @@ func TestWriterOnRestoredPool(t *testing.T) {
 		for i := 0; i < 2000; i++ {
 			v := vs[rng.IntN(len(vs))]
 			if rng.IntN(2) == 0 {
-				db, err := w.AllocData()
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := w.Insert(id, v, db); err != nil {
-					t.Fatal(err)
-				}
-				if _, ok := d.mappings[v]; !ok {
-					d.d.MappedBlocks++
-				}
-				d.mappings[v] = Mapping{VBlock: v, DBlock: db, Time: m.time}
+				m.insertNew(t, w, d, id, v)
 			} else {
 				ok, err := w.Remove(id, v)
 				if err != nil {
