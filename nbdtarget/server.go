@@ -584,19 +584,13 @@ type OpStats struct {
 	Duration time.Duration    // total time from decode to reply
 }
 
-// Ops are the op names used in Stats and Observe, indexed by NBD command;
-// "unknown" counts commands the protocol does not define.
-var Ops = [wire.NumCmds + 1]string{
-	wire.CmdRead:        "read",
-	wire.CmdWrite:       "write",
-	wire.CmdDisc:        "disc",
-	wire.CmdFlush:       "flush",
-	wire.CmdTrim:        "trim",
-	wire.CmdCache:       "cache",
-	wire.CmdWriteZeroes: "write_zeroes",
-	wire.CmdBlockStatus: "block_status",
-	wire.NumCmds:        "unknown",
-}
+// Ops are the op names used in Stats and Observe, indexed by NBD command
+// (wire.CmdNames); "unknown" counts commands the protocol does not define.
+var Ops = func() (ops [wire.NumCmds + 1]string) {
+	copy(ops[:], wire.CmdNames[:])
+	ops[wire.NumCmds] = "unknown"
+	return ops
+}()
 
 func opIndex(cmd uint16) int {
 	if cmd < wire.NumCmds {

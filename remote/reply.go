@@ -369,20 +369,8 @@ func (c *call) complete(bad func(string, ...any) error) error {
 }
 
 func cmdName(t uint16) string {
-	if int(t) < len(opNames) {
-		return opNames[t]
+	if int(t) < len(wire.CmdNames) {
+		return wire.CmdNames[t]
 	}
 	return fmt.Sprintf("command %d", t)
-}
-
-// opNames label requests by command, in Stats and metrics.
-var opNames = [wire.NumCmds]string{
-	wire.CmdRead:        "read",
-	wire.CmdWrite:       "write",
-	wire.CmdDisc:        "disc",
-	wire.CmdFlush:       "flush",
-	wire.CmdTrim:        "trim",
-	wire.CmdCache:       "cache",
-	wire.CmdWriteZeroes: "write_zeroes",
-	wire.CmdBlockStatus: "block_status",
 }

@@ -89,7 +89,7 @@ func (d *Device) Stats() Stats {
 	s.Requests = make(map[string]uint64, wire.NumCmds)
 	for i := range d.st.requests {
 		if i != int(wire.CmdDisc) {
-			s.Requests[opNames[i]] = d.st.requests[i].Load()
+			s.Requests[wire.CmdNames[i]] = d.st.requests[i].Load()
 		}
 	}
 	s.RoundTrips = d.st.roundTrips.Load()
@@ -107,7 +107,7 @@ func (d *Device) Stats() Stats {
 // Ops lists the op names of Stats.Requests, in NBD command order.
 func Ops() []string {
 	var ops []string
-	for i, n := range opNames {
+	for i, n := range wire.CmdNames {
 		if i != int(wire.CmdDisc) {
 			ops = append(ops, n)
 		}

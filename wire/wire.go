@@ -111,6 +111,18 @@ const (
 	NumCmds               = 8
 )
 
+// CmdNames name the commands in logs, stats and metrics labels.
+var CmdNames = [NumCmds]string{
+	CmdRead:        "read",
+	CmdWrite:       "write",
+	CmdDisc:        "disc",
+	CmdFlush:       "flush",
+	CmdTrim:        "trim",
+	CmdCache:       "cache",
+	CmdWriteZeroes: "write_zeroes",
+	CmdBlockStatus: "block_status",
+}
+
 // Command flags (u16 flags in a request).
 const (
 	CfFUA      uint16 = 1 << 0 // valid on every command once SEND_FUA is advertised
